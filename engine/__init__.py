@@ -1,0 +1,1 @@
+"""SuperInfer engine: an SLO-aware LLM serving engine."""

@@ -1,0 +1,122 @@
+"""The contract between the engine and everything that runs or watches it.
+
+The operator, the Helm chart's dashboards and the benchmarks depend on these names only, never
+on the engine itself. This module imports nothing heavy (no torch) so anyone may import it.
+"""
+
+from __future__ import annotations
+
+DEFAULT_PORT = 8000
+
+# HTTP endpoints.
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+HEALTH_PATH = "/health"  # the process is alive
+READY_PATH = "/ready"  # the model is loaded and the server is not draining
+METRICS_PATH = "/metrics"
+
+# Per-request SLOs: a body field {"slo": {"ttft_ms": .., "tbt_ms": ..}} or these headers.
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TBT_HEADER = "x-slo-tbt-ms"
+
+# Server-wide SLO defaults (the paper's: 5 s time to first token, 100 ms between tokens).
+DEFAULT_TTFT_SLO_MS = 5000.0
+DEFAULT_TBT_SLO_MS = 100.0
+
+POLICIES = ("fcfs", "rotary", "watermark")
+
+# Flags of `superinfer serve` that the operator may render into a pod spec.
+SERVE_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--dtype",
+    "--device",
+    "--policy",
+    "--ttft-slo-ms",
+    "--tbt-slo-ms",
+    "--rotary-alpha",
+    "--rotary-beta-f",
+    "--rotary-beta-b",
+    "--transfer-budget-blocks",
+    "--block-size",
+    "--gpu-memory-utilization",
+    "--num-gpu-blocks",
+    "--cpu-kv-gib",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--max-model-len",
+    "--host",
+    "--port",
+    "--api-key",
+    "--metrics-compat",
+)
+
+# Environment variable read by `superinfer serve` when --api-key is not given.
+API_KEY_ENV = "SUPERINFER_API_KEY"
+
+# Prometheus metric families exported by the engine (prefix + name; every one carries the
+# label `model_name`). Counters are exposed with a `_total` suffix, histograms with
+# `_bucket`/`_sum`/`_count`.
+METRIC_PREFIX = "superinfer_engine_"
+
+GAUGES = {
+    "requests_running": (),
+    "requests_waiting": (),
+    "requests_rotary": (),
+    "kv_cache_usage_ratio": ("tier",),
+    "kv_blocks": ("tier", "state"),
+}
+COUNTERS = {
+    "kv_swap_bytes": ("direction",),
+    "rotations": (),
+    "preemptions": ("mode",),
+    "prompt_tokens": (),
+    "generation_tokens": (),
+    "requests_finished": ("finished_reason",),
+    "slo_requests": ("ttft", "tbt"),
+}
+HISTOGRAMS = {
+    "kv_swap_seconds": ("direction",),
+    "time_to_first_token_seconds": (),
+    "time_between_tokens_seconds": (),
+    "request_queue_seconds": (),
+    "e2e_request_latency_seconds": (),
+    "scheduler_step_seconds": ("phase",),
+}
+INFOS = {"info": ()}
+SLO_TARGET_GAUGE = "slo_target_seconds"  # label `kind` = ttft | tbt
+
+# With --metrics-compat vllm the engine also exports these vLLM names.
+VLLM_COMPAT_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+)
+
+
+def metric(name: str) -> str:
+    """Full exported name of an engine metric family, e.g. metric('rotations') + '_total'."""
+    return METRIC_PREFIX + name
+
+
+def exported_series_names() -> set[str]:
+    """Every series name a scrape of the engine's /metrics can contain (without labels)."""
+    names: set[str] = set()
+    for base in (*GAUGES, SLO_TARGET_GAUGE):
+        names.add(metric(base))
+    for base in COUNTERS:
+        names |= {metric(base) + "_total", metric(base) + "_created"}
+    for base in HISTOGRAMS:
+        names |= {metric(base) + suffix for suffix in ("_bucket", "_sum", "_count", "_created")}
+    names.add(metric("info") + "_info")
+    for compat in VLLM_COMPAT_METRICS:
+        names.add(compat)
+        if compat.endswith("_seconds"):
+            names |= {compat + suffix for suffix in ("_bucket", "_sum", "_count")}
+    return names

@@ -1,0 +1,1 @@
+"""Torch-free control plane: requests, KV block manager, scheduler and policies."""

@@ -1,0 +1,104 @@
+"""SLO definitions, in one place: used by the engine's metrics, the benchmarks and the simulator.
+
+TTFT = first output token time - arrival time.
+TBT  = gap between consecutive output tokens. A request meets its TBT SLO when its mean gap
+       (TPOT = (last - first) / (n - 1)) is within the SLO; reports also give per-token TBT
+       attainment (share of gaps within the SLO) and percentiles.
+Attainment = share of requests meeting their TTFT SLO (and, separately, both SLOs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from superinfer.engine.contract import DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float = DEFAULT_TTFT_SLO_MS
+    tbt_ms: float = DEFAULT_TBT_SLO_MS
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.tbt_ms > 0):
+            raise ValueError(f"SLO targets must be positive, got ttft_ms={self.ttft_ms} tbt_ms={self.tbt_ms}")
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Wall-clock times (seconds) of one request: arrival and each output token."""
+
+    arrival: float
+    token_times: tuple[float, ...]
+    slo: SLO = SLO()
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def ttft_met(self) -> bool:
+        return self.ttft is not None and self.ttft * 1000.0 <= self.slo.ttft_ms
+
+    @property
+    def tbt_met(self) -> bool:
+        tpot = self.tpot
+        return tpot is None or tpot * 1000.0 <= self.slo.tbt_ms
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(timings: Sequence[RequestTiming], duration_s: float | None = None) -> dict[str, float]:
+    """Attainment and latency percentiles of finished requests (milliseconds for latencies)."""
+    n = len(timings)
+    ttfts = [t.ttft * 1000.0 for t in timings if t.ttft is not None]
+    tpots = [t.tpot * 1000.0 for t in timings if t.tpot is not None]
+    gaps_ok = gaps_all = 0
+    all_gaps: list[float] = []
+    for t in timings:
+        for g in t.gaps:
+            gaps_all += 1
+            gaps_ok += g * 1000.0 <= t.slo.tbt_ms
+            all_gaps.append(g * 1000.0)
+    tokens = sum(len(t.token_times) for t in timings)
+    out = {
+        "requests": float(n),
+        "output_tokens": float(tokens),
+        "ttft_attainment": sum(t.ttft_met for t in timings) / n if n else math.nan,
+        "tbt_attainment": sum(t.tbt_met for t in timings) / n if n else math.nan,
+        "both_attainment": sum(t.ttft_met and t.tbt_met for t in timings) / n if n else math.nan,
+        "tbt_token_attainment": gaps_ok / gaps_all if gaps_all else math.nan,
+    }
+    for q in (50, 90, 99):
+        out[f"ttft_p{q}_ms"] = percentile(ttfts, q)
+        out[f"tpot_p{q}_ms"] = percentile(tpots, q)
+        out[f"tbt_p{q}_ms"] = percentile(all_gaps, q)
+    if duration_s:
+        out["throughput_tok_s"] = tokens / duration_s
+    return out
+
+
+def histogram_buckets(slo_s: float, base: Sequence[float]) -> list[float]:
+    """Histogram bucket bounds that include the SLO threshold itself (so attainment is exact)."""
+    return sorted(set(base) | {slo_s})

@@ -1,0 +1,1 @@
+"""Kopf operator for InferenceService resources. Never imports torch or the engine."""
