@@ -9,6 +9,7 @@ Attainment = share of requests meeting their TTFT SLO (and, separately, both SLO
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class RequestTiming:
     @property
     def gaps(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(t)]
 
     @property
     def tpot(self) -> float | None:

@@ -1,0 +1,87 @@
+"""`superinfer serve | demo`. The serve flags are derived from EngineConfig's fields."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from superinfer.engine.config import EngineConfig
+from superinfer.engine.contract import API_KEY_ENV
+
+
+def _flag_type(annotation: Any) -> tuple[type | None, tuple | None]:
+    """(argparse type, choices) of a field annotation such as `int | None` or `Literal[...]`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(args[0]), tuple(args)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    return annotation, None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in EngineConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind, choices = _flag_type(field.annotation)
+        help_text = f"{field.description or ''} (default: {field.default})".strip()
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, choices=choices, default=None, help=help_text)
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    values = {k: v for k, v in vars(args).items() if k in EngineConfig.model_fields and v is not None}
+    if "api_key" not in values and os.environ.get(API_KEY_ENV):
+        values["api_key"] = os.environ[API_KEY_ENV]
+    return EngineConfig(**{**overrides, **values})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="superinfer", description="SLO-aware LLM serving")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    add_engine_flags(serve)
+    demo = sub.add_parser("demo", help="serve the built-in tiny model and measure a burst of requests")
+    add_engine_flags(demo)
+    demo.add_argument("--requests", type=int, default=32, help="number of concurrent requests")
+    demo.add_argument("--output-tokens", type=int, default=48, help="tokens generated per request")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            from superinfer.engine.server import serve
+
+            asyncio.run(serve(engine_config(args)))
+        elif args.command == "demo":
+            from superinfer.engine.demo import run_demo
+
+            config = engine_config(args, port=0, max_model_len=1024)
+            asyncio.run(run_demo(config, args.requests, args.output_tokens))
+    except ValidationError as exc:
+        print(f"superinfer: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"superinfer: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

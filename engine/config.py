@@ -1,0 +1,54 @@
+"""EngineConfig: model, cache, scheduler, SLO defaults and server settings in one validated model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from superinfer.engine.contract import DEFAULT_PORT, DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Model
+    model: str = Field("tiny", description="HF folder, hf://org/name from the local cache, or a preset name")
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    dummy_weights: bool = Field(False, description="random weights of the model's architecture")
+    seed: int = 0
+
+    # KV cache
+    block_size: int = Field(16, ge=1, le=256)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    num_gpu_blocks: int | None = Field(None, ge=1, description="overrides the memory-based sizing")
+    cpu_kv_gib: float = Field(0.0, ge=0, description="host memory for the rotary tier")
+    kv_cache_gib_cpu_device: float = Field(
+        1.0, gt=0, description="KV budget when the model itself runs on the CPU (no device memory to probe)"
+    )
+    enable_prefix_caching: bool = True
+
+    # Scheduler
+    policy: Literal["fcfs", "rotary", "watermark"] = "fcfs"
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    ttft_slo_ms: float = Field(DEFAULT_TTFT_SLO_MS, gt=0)
+    tbt_slo_ms: float = Field(DEFAULT_TBT_SLO_MS, gt=0)
+    rotary_alpha: float = Field(3.0, ge=0)
+    rotary_beta_f: float = Field(0.5, ge=0)
+    rotary_beta_b: float = Field(0.0, ge=0)
+    transfer_budget_blocks: int = Field(2400, ge=1)
+
+    # Server
+    host: str = "127.0.0.1"
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    api_key: str | None = None
+    metrics_compat: Literal["vllm"] | None = None
+    max_request_bytes: int = Field(4 << 20, ge=1024)
+    shutdown_timeout_s: float = Field(45.0, ge=0)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,121 @@
+"""A request as the scheduler sees it: tokens, sampling parameters, SLO, state and timings."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from superinfer.engine.slo import SLO
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never ran, or preempted by recompute
+    RUNNING = "running"  # KV on the GPU, scheduled every step
+    ROTARY = "rotary"  # KV parked in CPU memory, waiting for its next turn
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus n alternatives
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    slo: SLO = field(default_factory=SLO)
+    priority: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is (or, once the step runs, will be) in the cache
+    block_ids: list[int] = field(default_factory=list)  # GPU block table
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
+    num_cached_tokens: int = 0  # prefix-cache hits at first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    t_first_token: float | None = None
+    t_last_token: float | None = None
+    t_run: float | None = None  # last time it entered RUNNING
+    t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def in_decode(self) -> bool:
+        """All tokens but the newest are in the cache: the next step feeds one token."""
+        return self.num_output_tokens > 0 and self.num_computed_tokens >= self.num_tokens - 1
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def stop_reason(self, max_model_len: int) -> FinishReason | None:
+        """Why the request must stop after its newest token, if it must (stop strings aside)."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.sampling.min_tokens:
+            if not self.sampling.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in self.sampling.stop_token_ids:
+                return FinishReason.STOP
+        if self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,288 @@
+"""EngineCore (one synchronous step at a time) and AsyncEngine (the core on its own thread).
+
+EngineCore owns the model, the KV cache tensor, the scheduler and the runner:
+    schedule -> StepPlan -> runner.execute -> scheduler.update -> RequestOutputs.
+AsyncEngine runs that loop on a dedicated thread so the HTTP event loop never waits on a model
+step; requests and aborts go in through a queue, outputs come back through asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+from superinfer.engine.attention import allocate_kv_cache
+from superinfer.engine.config import EngineConfig
+from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.policies import make_policy
+from superinfer.engine.core.request import FinishReason, Request, SamplingParams
+from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
+from superinfer.engine.metrics import EngineMetrics
+from superinfer.engine.model import LoadedModel, load_model
+from superinfer.engine.output import RequestOutput, TextStream
+from superinfer.engine.runner import ModelRunner
+from superinfer.engine.slo import SLO
+from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("superinfer.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available on this machine")
+    return device
+
+
+def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES.get(model_dtype, torch.bfloat16)
+
+
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, device: torch.device) -> int:
+    """How many KV blocks fit: the override, else the free device memory under the budget."""
+    if config.num_gpu_blocks is not None:
+        return config.num_gpu_blocks
+    if device.type != "cuda":
+        return max(1, int(config.kv_cache_gib_cpu_device * (1 << 30)) // block_bytes)
+    free, total = torch.cuda.mem_get_info(device)
+    mc, dtype_bytes = loaded.config, 4
+    # Peak activations of the largest step plus the sampler's float32 logits work space.
+    activations = config.max_num_batched_tokens * (4 * mc.hidden_size + 3 * mc.intermediate_size) * dtype_bytes
+    logits = config.max_num_seqs * mc.vocab_size * 4 * 4
+    budget = total * config.gpu_memory_utilization - (total - free) - activations - logits - (256 << 20)
+    if budget < block_bytes:
+        raise ValueError(
+            f"no memory left for the KV cache on {device}: {free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f} GiB after loading the model; raise --gpu-memory-utilization "
+            "or lower --max-num-batched-tokens / --max-num-seqs"
+        )
+    return int(budget // block_bytes)
+
+
+@dataclass
+class _Live:
+    stream: TextStream
+    t_last: float | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, dtype=None if config.dtype == "auto" else config.dtype,
+                            device=str(self.device), dummy=config.dummy_weights)
+        mc = self.model_config = loaded.config
+        self.dtype = next(loaded.model.parameters()).dtype
+        self.tokenizer = Tokenizer.from_dir(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+
+        bs = config.block_size
+        block_bytes = mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        num_blocks = num_kv_blocks(config, loaded, block_bytes, self.device)
+        kv_cache = allocate_kv_cache(num_blocks, mc.num_layers, bs, mc.num_kv_heads, mc.head_dim,
+                                     self.dtype, self.device)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv, make_policy(config.policy), clock,
+        )
+        self.runner = ModelRunner(loaded.model, kv_cache, bs, scale=mc.head_dim**-0.5)
+        self.default_slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
+        self.metrics = EngineMetrics(
+            config.model_name, self.default_slo, vllm_compat=config.metrics_compat == "vllm",
+            info={"policy": config.policy, "device": str(self.device), "dtype": str(self.dtype).split(".")[-1],
+                  "block_size": str(bs), "num_gpu_blocks": str(num_blocks), "architecture": mc.architecture},
+        )
+        self._live: dict[str, _Live] = {}
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", config.model, self.device,
+                 self.dtype, num_blocks, bs)
+
+    # --- requests ----------------------------------------------------------------------------
+    def validate(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        self.scheduler.check_fits(num_prompt_tokens, sampling.max_tokens)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        slo: SLO | None = None, priority: int = 0, arrival_time: float | None = None,
+    ) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids, slo=slo or self.default_slo, priority=priority,
+        )
+        self.scheduler.add(req)
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        self._live[request_id] = _Live(TextStream(detok, sampling.stop))
+
+    def abort(self, request_id: str) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._live.pop(request_id, None)
+            self.metrics.on_finish(req, self.clock())
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = self.runner.execute(plan)
+        t2 = time.perf_counter()
+        touched = self.scheduler.update(plan, result.sampled)
+        now = self.clock()
+        outputs = []
+        for req in touched:
+            live = self._live[req.request_id]
+            gap = None if live.t_last is None else now - live.t_last
+            live.t_last = now
+            live.stream.feed(req.output_token_ids[-1])
+            if live.stream.stopped and not req.is_finished:
+                self.scheduler.finish(req.request_id, FinishReason.STOP)
+            self.metrics.on_token(req, gap)
+            if req.is_finished:
+                del self._live[req.request_id]
+                self.metrics.on_finish(req, now)
+            lp = result.logprobs.get(req.request_id)
+            outputs.append(RequestOutput(
+                request_id=req.request_id, text=live.stream.take(req.is_finished),
+                token_ids=[req.output_token_ids[-1]], logprobs=[lp] if lp else None,
+                finished=req.is_finished,
+                finish_reason=req.finish_reason.value if req.finish_reason else None,
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            ))
+        s = self.scheduler
+        self.metrics.on_step(
+            running=s.num_running, waiting=s.num_waiting, rotary=0, gpu_usage=self.kv.usage,
+            gpu_blocks={"used": self.kv.num_blocks - self.kv.num_free_blocks, "free": self.kv.num_free_blocks},
+            counters=s.counters,
+            phase_seconds={"schedule": t1 - t0, "execute": t2 - t1, "update": time.perf_counter() - t2},
+        )
+        return outputs
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    """EngineCore on its own thread; `generate` streams a request's outputs to a coroutine."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def num_live(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="superinfer-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            self._commands.put(("stop",))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        slo: SLO | None = None, priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.error}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already live")
+        self.core.validate(len(prompt_token_ids), sampling)
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = outputs
+        self._commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, self.core.clock()))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    # --- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                command = self._commands.get(block=not self.core.has_work)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command[0] == "stop":
+                    return
+                self._apply(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if not self.core.has_work:
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # a broken step: fail every live request, stop serving
+                log.exception("engine step failed")
+                self.error = exc
+                self._deliver([(rid, EngineDeadError(f"engine step failed: {exc}")) for rid in list(self._streams)])
+                return
+            self._deliver([(o.request_id, o) for o in outputs])
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, rid, prompt, sampling, slo, priority, arrival = command
+            try:
+                self.core.add_request(rid, prompt, sampling, slo, priority, arrival)
+            except ValueError as exc:
+                self._deliver([(rid, exc)])
+        elif command[0] == "abort":
+            self.core.abort(command[1])
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        if items and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(item)

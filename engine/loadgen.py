@@ -1,0 +1,56 @@
+"""Load generation against any OpenAI-compatible endpoint, measured with the SLO definitions.
+
+Each streamed SSE chunk of /v1/completions carries one token, so chunk arrival times are token
+times. Arrival is when the request is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from superinfer.engine.contract import COMPLETIONS_PATH
+from superinfer.engine.slo import SLO, RequestTiming
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    prompt: str | list[int]
+    max_tokens: int
+    slo: SLO = field(default_factory=SLO)
+    delay_s: float = 0.0  # send this long after the run starts (open-loop arrivals)
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, base_url: str, model: str, req: LoadRequest,
+) -> RequestTiming:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True, "slo": {"ttft_ms": req.slo.ttft_ms, "tbt_ms": req.slo.tbt_ms}}
+    sent = time.monotonic()
+    times: list[float] = []
+    async with session.post(base_url + COMPLETIONS_PATH, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                json.loads(line[6:])
+                times.append(time.monotonic())
+    return RequestTiming(sent, tuple(times), req.slo)
+
+
+async def run_load(base_url: str, model: str, requests: Sequence[LoadRequest]) -> tuple[list[RequestTiming], float]:
+    """Send every request at its delay (open loop); returns the timings and the run's duration."""
+    start = time.monotonic()
+
+    async def one(session: aiohttp.ClientSession, req: LoadRequest) -> RequestTiming:
+        await asyncio.sleep(max(0.0, start + req.delay_s - time.monotonic()))
+        return await stream_completion(session, base_url, model, req)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        timings = await asyncio.gather(*(one(session, r) for r in requests))
+    return list(timings), time.monotonic() - start

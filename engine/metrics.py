@@ -1,0 +1,124 @@
+"""Prometheus metrics of the engine. Names and labels are the contract in engine/contract.py."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from superinfer.engine import contract as c
+from superinfer.engine.core.request import Request
+from superinfer.engine.core.scheduler import SchedulerCounters
+from superinfer.engine.slo import SLO, histogram_buckets
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, slo: SLO, info: dict[str, str], vllm_compat: bool = False) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        reg, label = self.registry, "model_name"
+
+        def gauge(name: str, *labels: str) -> Gauge:
+            return Gauge(c.metric(name), name.replace("_", " "), [label, *labels], registry=reg)
+
+        def counter(name: str, *labels: str) -> Counter:
+            return Counter(c.metric(name), name.replace("_", " "), [label, *labels], registry=reg)
+
+        def histogram(name: str, buckets: tuple[float, ...] | list[float], *labels: str) -> Histogram:
+            return Histogram(c.metric(name), name.replace("_", " "), [label, *labels], buckets=buckets,
+                             registry=reg)
+
+        self.gauges = {name: gauge(name, *labels) for name, labels in c.GAUGES.items()}
+        self.counters = {name: counter(name, *labels) for name, labels in c.COUNTERS.items()}
+        ttft_buckets = histogram_buckets(slo.ttft_ms / 1000.0, LATENCY_BUCKETS)
+        tbt_buckets = histogram_buckets(slo.tbt_ms / 1000.0, LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", ttft_buckets)
+        self.tbt = histogram("time_between_tokens_seconds", tbt_buckets)
+        self.queue = histogram("request_queue_seconds", LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", LATENCY_BUCKETS)
+        self.step = histogram("scheduler_step_seconds", STEP_BUCKETS, "phase")
+        self.swap_seconds = histogram("kv_swap_seconds", STEP_BUCKETS, "direction")
+        self.slo_target = gauge(c.SLO_TARGET_GAUGE, "kind")
+        self.slo_target.labels(model_name, "ttft").set(slo.ttft_ms / 1000.0)
+        self.slo_target.labels(model_name, "tbt").set(slo.tbt_ms / 1000.0)
+        Info(c.metric("info"), "engine build and configuration", [label], registry=reg).labels(model_name).info(info)
+        self._seen = SchedulerCounters()
+
+        self.vllm: dict[str, Gauge | Counter | Histogram] = {}
+        if vllm_compat:
+            vl = ["model_name"]
+            self.vllm = {
+                "running": Gauge("vllm:num_requests_running", "running requests", vl, registry=reg),
+                "waiting": Gauge("vllm:num_requests_waiting", "waiting requests", vl, registry=reg),
+                "kv": Gauge("vllm:kv_cache_usage_perc", "GPU KV cache usage (0-1)", vl, registry=reg),
+                "ttft": Histogram("vllm:time_to_first_token_seconds", "TTFT", vl, buckets=ttft_buckets,
+                                  registry=reg),
+                "itl": Histogram("vllm:inter_token_latency_seconds", "inter-token latency", vl,
+                                 buckets=tbt_buckets, registry=reg),
+                "e2e": Histogram("vllm:e2e_request_latency_seconds", "end-to-end latency", vl,
+                                 buckets=LATENCY_BUCKETS, registry=reg),
+                "prompt": Counter("vllm:prompt_tokens", "prompt tokens", vl, registry=reg),
+                "generation": Counter("vllm:generation_tokens", "generated tokens", vl, registry=reg),
+            }
+
+    def _g(self, name: str, *labels: str) -> Gauge:
+        return self.gauges[name].labels(self.model_name, *labels)
+
+    def _c(self, name: str, *labels: str) -> Counter:
+        return self.counters[name].labels(self.model_name, *labels)
+
+    def _compat(self, key: str, method: str, value: float) -> None:
+        if self.vllm:
+            getattr(self.vllm[key].labels(self.model_name), method)(value)
+
+    def on_step(
+        self, *, running: int, waiting: int, rotary: int, gpu_usage: float, gpu_blocks: dict[str, int],
+        counters: SchedulerCounters, phase_seconds: dict[str, float],
+    ) -> None:
+        self._g("requests_running").set(running)
+        self._g("requests_waiting").set(waiting)
+        self._g("requests_rotary").set(rotary)
+        self._g("kv_cache_usage_ratio", "gpu").set(gpu_usage)
+        for state, n in gpu_blocks.items():
+            self._g("kv_blocks", "gpu", state).set(n)
+        for phase, seconds in phase_seconds.items():
+            self.step.labels(self.model_name, phase).observe(seconds)
+        for mode, n in counters.preemptions.items():
+            if n > self._seen.preemptions[mode]:
+                self._c("preemptions", mode).inc(n - self._seen.preemptions[mode])
+                self._seen.preemptions[mode] = n
+        self._compat("running", "set", running)
+        self._compat("waiting", "set", waiting)
+        self._compat("kv", "set", gpu_usage)
+
+    def on_token(self, req: Request, gap_s: float | None) -> None:
+        """A request emitted a token; gap_s is the time since its previous token (None for the first)."""
+        self._c("generation_tokens").inc()
+        self._compat("generation", "inc", 1)
+        if gap_s is None:
+            ttft = req.t_first_token - req.arrival_time
+            self.ttft.labels(self.model_name).observe(ttft)
+            self._compat("ttft", "observe", ttft)
+            self.queue.labels(self.model_name).observe(req.t_scheduled - req.arrival_time)
+            self._c("prompt_tokens").inc(req.num_prompt_tokens)
+            self._compat("prompt", "inc", req.num_prompt_tokens)
+        else:
+            self.tbt.labels(self.model_name).observe(gap_s)
+            self._compat("itl", "observe", gap_s)
+
+    def on_finish(self, req: Request, now: float) -> None:
+        reason = req.finish_reason.value if req.finish_reason else "unknown"
+        self._c("requests_finished", reason).inc()
+        self.e2e.labels(self.model_name).observe(now - req.arrival_time)
+        self._compat("e2e", "observe", now - req.arrival_time)
+        if req.t_first_token is None:
+            return  # aborted before its first token: no latency to judge
+        ttft_met = (req.t_first_token - req.arrival_time) * 1000.0 <= req.slo.ttft_ms
+        n = req.num_output_tokens
+        tpot = (req.t_last_token - req.t_first_token) / (n - 1) if n > 1 else 0.0
+        tbt_met = tpot * 1000.0 <= req.slo.tbt_ms
+        self._c("slo_requests", "met" if ttft_met else "missed", "met" if tbt_met else "missed").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
