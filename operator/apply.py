@@ -1,0 +1,98 @@
+"""Idempotent create-or-patch of child objects (safe to run twice, repairs drift).
+
+A child is patched only when what we want is not already a subset of what is there (so API
+server defaults never cause churn). The patch is a JSON merge patch of the desired object plus
+explicit nulls for keys we set last time and no longer want, remembered in an annotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import kopf
+from superinfer.operator.kube import BY_KIND, ApiError, Kube
+from superinfer.operator.names import LAST_APPLIED
+
+Action = Literal["created", "patched", "unchanged"]
+CONFLICT_RETRIES = 3
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether `have` already contains everything in `want` (dicts partially, lists item by item)."""
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
+    return want == have
+
+
+def removals(last: Any, want: Any) -> Any:
+    """Nulls for keys present in `last` but gone from `want` (recursively through dicts)."""
+    if not (isinstance(last, Mapping) and isinstance(want, Mapping)):
+        return None
+    out: dict[str, Any] = {}
+    for key, old in last.items():
+        if key not in want:
+            out[key] = None
+        else:
+            sub = removals(old, want[key])
+            if sub:
+                out[key] = sub
+    return out
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        elif key not in out:
+            out[key] = value
+    return out
+
+
+def with_last_applied(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The object with its own content remembered in an annotation."""
+    body = json.loads(json.dumps(obj))
+    meta = body.setdefault("metadata", {})
+    meta.setdefault("annotations", {})[LAST_APPLIED] = json.dumps(_content(obj), sort_keys=True)
+    return body
+
+
+def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("status",)}
+
+
+def patch_for(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that turns `current` into `desired`, or None when nothing is to do."""
+    if is_subset(desired, current):
+        return None
+    raw_last = (current.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
+    last = json.loads(raw_last) if raw_last else {}
+    return deep_merge(dict(desired), removals(last, desired) or {})
+
+
+async def apply(kube: Kube, obj: Mapping[str, Any]) -> Action:
+    """Create the object, or patch it back to what we want; retries 409 conflicts."""
+    res = BY_KIND[obj["kind"]]
+    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    desired = with_last_applied(obj)
+    for attempt in range(CONFLICT_RETRIES):
+        try:
+            current = await kube.get(res, ns, name)
+            if current is None:
+                await kube.create(res, ns, desired)
+                return "created"
+            patch = patch_for(current, desired)
+            if patch is None:
+                return "unchanged"
+            await kube.patch(res, ns, name, patch)
+            return "patched"
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise kopf.TemporaryError(f"{obj['kind']} {ns}/{name}: conflicts persisted, retrying", delay=5)

@@ -1,0 +1,234 @@
+"""The SLO autoscaler's decision: a pure function of what was observed and what was done before.
+
+Order of the rules (first match wins):
+1. bounds changed → clamp to [min, max];
+2. initial delay, missing/stale metrics → hold (MetricsAvailable=False);
+3. pods pending → hold (never stack scale-ups); unschedulable → hold, InsufficientCapacity;
+4. distress (attainment < target, p90 TTFT/TBT over the SLO, or saturation) → proportional scale-up,
+   capped at +maxStepPercent (≤ 2×) and maxReplicas, after the cooldown;
+5. too few finished requests → hold (SLOMet=Unknown);
+6. healthy for stabilizationSeconds → remove one replica if the survivors, taking N/(N-1) of the
+   load, are predicted to stay under sensitivity × SLO (consolidation check).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.conditions import FALSE, TRUE, UNKNOWN, Cond
+from superinfer.operator.latency import LatencyModel, predict_ttft
+from superinfer.operator.scrape import WindowStats
+
+Action = Literal["ScaleUp", "ScaleDown", "Hold"]
+WAITING_PER_REPLICA = 4.0  # queued requests per replica that count as saturation
+KV_SATURATED = 0.95  # both tiers this full (GPU alone is normal under rotation)
+
+
+@dataclass(frozen=True)
+class Params:
+    min_replicas: int
+    max_replicas: int
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+    target: float
+    window_seconds: float
+    interval_seconds: float
+    initial_delay_seconds: float
+    min_requests: int
+    max_step_percent: int
+    cooldown_seconds: float
+    stabilization_seconds: float
+    sensitivity: float
+    max_num_seqs: int
+    advisory: bool = False
+    swap_limit_gbps: float | None = None
+
+    @classmethod
+    def from_spec(cls, spec: InferenceServiceSpec) -> Params:
+        a = spec.autoscaling
+        return cls(
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas,
+            ttft_slo_ms=spec.slo.ttft_ms,
+            tbt_slo_ms=spec.slo.tbt_ms,
+            target=spec.slo.attainment_target,
+            window_seconds=spec.slo.window_seconds,
+            interval_seconds=a.interval_seconds,
+            initial_delay_seconds=a.initial_delay_seconds,
+            min_requests=a.min_requests,
+            max_step_percent=a.scale_up.max_step_percent,
+            cooldown_seconds=a.scale_up.cooldown_seconds,
+            stabilization_seconds=a.scale_down.stabilization_seconds,
+            sensitivity=a.scale_down.sensitivity,
+            max_num_seqs=spec.engine.max_num_seqs,
+            advisory=a.mode == "Advisory",
+        )
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float
+    replicas: int  # what the workload is asked to run now
+    ready: int
+    pending: int  # pods that exist but are not ready yet
+    unschedulable: int  # of those, how many cannot be placed
+    stats: WindowStats | None  # None when no pod could be scraped
+    fresh: bool = True  # every ready pod was scraped recently
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the autoscaler remembers between ticks (kept by the caller)."""
+
+    started_at: float
+    last_scale_at: float | None = None
+    healthy_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    target: int
+    reason: str
+    message: str
+    metrics: Cond
+    scaling: Cond
+    slo: Cond
+    memory: Memory
+    apply: bool  # False in Advisory mode or for holds
+
+
+def _clamp(n: int, p: Params) -> int:
+    return max(p.min_replicas, min(p.max_replicas, n))
+
+
+def distress_ratio(s: WindowStats, p: Params, replicas: int) -> tuple[float, str]:
+    """How far over the SLO the service is (>1 means scale up by about that factor) and why."""
+    reasons: list[tuple[float, str]] = []
+    if s.attainment is not None and s.requests >= p.min_requests and s.attainment < p.target:
+        reasons.append((p.target / max(s.attainment, 0.05), f"attainment {s.attainment:.2f} < {p.target:.2f}"))
+    if s.ttft_p90_ms is not None and s.requests >= p.min_requests and s.ttft_p90_ms > p.ttft_slo_ms:
+        reasons.append((s.ttft_p90_ms / p.ttft_slo_ms, f"p90 TTFT {s.ttft_p90_ms:.0f}ms > {p.ttft_slo_ms:g}ms"))
+    if s.tbt_p90_ms is not None and s.requests >= p.min_requests and s.tbt_p90_ms > p.tbt_slo_ms:
+        reasons.append((s.tbt_p90_ms / p.tbt_slo_ms, f"p90 TBT {s.tbt_p90_ms:.0f}ms > {p.tbt_slo_ms:g}ms"))
+    per_replica_waiting = s.waiting / max(replicas, 1)
+    if per_replica_waiting > WAITING_PER_REPLICA:
+        ratio = (s.running + s.waiting) / max(s.running, 1.0)
+        reasons.append((max(ratio, 1.01), f"{s.waiting:.0f} requests queued ({per_replica_waiting:.1f}/replica)"))
+    if (s.kv_gpu or 0) >= KV_SATURATED and (s.kv_cpu or 0) >= KV_SATURATED and s.waiting > 0:
+        reasons.append((1.01, "GPU and CPU KV tiers both full with requests waiting"))
+    if p.swap_limit_gbps and s.swap_gbps >= 0.9 * p.swap_limit_gbps:
+        reasons.append((1.01, f"KV swap at {s.swap_gbps:.1f} GB/s, near the {p.swap_limit_gbps:g} GB/s link"))
+    if not reasons:
+        return 0.0, ""
+    ratio = max(r for r, _ in reasons)
+    return ratio, "; ".join(text for _, text in reasons)
+
+
+def scale_up_target(current: int, ratio: float, p: Params) -> int:
+    """Proportional, at least +1, at most +maxStepPercent (≤ 2×) and maxReplicas."""
+    wanted = math.ceil(current * ratio - 1e-9)
+    cap = current + max(1, math.floor(current * p.max_step_percent / 100))
+    return _clamp(max(current + 1, min(wanted, cap)), p)
+
+
+def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel) -> tuple[bool, str]:
+    """Would n-1 replicas, taking n/(n-1) of the load each, stay under sensitivity × SLO?"""
+    grow = n / (n - 1)
+    batch_now = s.running / n
+    batch_after = batch_now * grow
+    tbt_now = (s.tbt_mean_ms or s.tbt_p90_ms or 0.0) / 1000 or None
+    tbt_after = model.predict_tbt(batch_now, batch_after, tbt_now) * 1000
+    if s.tbt_p90_ms is not None and tbt_now:
+        tbt_after = tbt_after * s.tbt_p90_ms / (tbt_now * 1000)  # predict the p90, not the mean
+    occupancy = batch_now / p.max_num_seqs
+    ttft_after = predict_ttft(s.ttft_p90_ms or 0.0, occupancy, occupancy * grow)
+    tbt_limit, ttft_limit = p.sensitivity * p.tbt_slo_ms, p.sensitivity * p.ttft_slo_ms
+    queued_after = s.waiting / (n - 1)
+    ok = tbt_after <= tbt_limit and ttft_after <= ttft_limit and queued_after <= WAITING_PER_REPLICA
+    text = (
+        f"with {n - 1} replica(s): predicted p90 TBT {tbt_after:.0f}ms (limit {tbt_limit:.0f}), "
+        f"p90 TTFT {ttft_after:.0f}ms (limit {ttft_limit:.0f})"
+    )
+    return ok, text
+
+
+def _slo_cond(s: WindowStats | None, p: Params) -> Cond:
+    if s is None or s.attainment is None or s.requests < p.min_requests:
+        n = 0 if s is None else int(s.requests)
+        return Cond("SLOMet", UNKNOWN, "TooFewRequests", f"{n} finished requests in the window (< {p.min_requests})")
+    if s.attainment >= p.target:
+        return Cond("SLOMet", TRUE, "Met", f"attainment {s.attainment:.3f} >= target {p.target}")
+    return Cond("SLOMet", FALSE, "Missed", f"attainment {s.attainment:.3f} < target {p.target}")
+
+
+def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None = None) -> Decision:
+    model = model or LatencyModel()
+    n = obs.replicas
+    s = obs.stats
+    metrics_ok = s is not None and obs.fresh
+    metrics = (
+        Cond("MetricsAvailable", TRUE, "Scraped", f"metrics from {s.pods} pod(s)")
+        if metrics_ok and s is not None
+        else Cond("MetricsAvailable", FALSE, "MetricsStale", "no fresh engine metrics from the ready pods")
+    )
+    slo = _slo_cond(s, p)
+    mode = "Advisory" if p.advisory else "Active"
+
+    def out(
+        action: Action, target: int, reason: str, message: str, memory: Memory = mem, scaling: Cond | None = None
+    ) -> Decision:
+        scaling = scaling or Cond("ScalingReady", TRUE, mode, f"{mode}: {message}")
+        applies = action != "Hold" and not p.advisory
+        if applies:
+            memory = replace(memory, last_scale_at=obs.now)
+        return Decision(action, target, reason, message, metrics, scaling, slo, memory, applies)
+
+    # 1. Bounds.
+    if n != _clamp(n, p):
+        target = _clamp(n, p)
+        action: Action = "ScaleUp" if target > n else "ScaleDown"
+        return out(action, target, "Bounds", f"{n} replicas is outside [{p.min_replicas}, {p.max_replicas}]")
+    # 2. Warm-up and metrics.
+    if obs.now - mem.started_at < p.initial_delay_seconds:
+        return out("Hold", n, "InitialDelay", f"waiting {p.initial_delay_seconds:g}s before the first decision")
+    if not metrics_ok or s is None:
+        return out("Hold", n, "MetricsStale", "holding: engine metrics are missing or stale")
+    # 3. Pending pods.
+    if obs.unschedulable:
+        msg = f"{obs.unschedulable} pod(s) cannot be scheduled; no further scale-up until capacity appears"
+        return out(
+            "Hold", n, "InsufficientCapacity", msg, scaling=Cond("ScalingReady", FALSE, "InsufficientCapacity", msg)
+        )
+    if obs.pending:
+        return out("Hold", n, "PodsPending", f"{obs.pending} pod(s) still starting; not stacking scale-ups")
+    # 4. Distress.
+    ratio, why = distress_ratio(s, p, n)
+    if ratio > 1.0:
+        unhealthy = replace(mem, healthy_since=None)
+        if n >= p.max_replicas:
+            return out("Hold", n, "AtMaxReplicas", f"{why}; already at maxReplicas {p.max_replicas}", unhealthy)
+        if mem.last_scale_at is not None and obs.now - mem.last_scale_at < p.cooldown_seconds:
+            return out("Hold", n, "Cooldown", f"{why}; in scale-up cooldown", unhealthy)
+        target = scale_up_target(n, ratio, p)
+        return out("ScaleUp", target, "SLODistress", f"{why}: {n} → {target} replicas", unhealthy)
+    # 5. Evidence.
+    if s.requests < p.min_requests:
+        return out("Hold", n, "TooFewRequests", f"{int(s.requests)} finished requests in the window")
+    # 6. Consolidation.
+    healthy = mem if mem.healthy_since is not None else replace(mem, healthy_since=obs.now)
+    if n <= p.min_replicas:
+        return out("Hold", n, "Stable", "SLO met at minReplicas", healthy)
+    assert healthy.healthy_since is not None
+    waited = obs.now - healthy.healthy_since
+    if waited < p.stabilization_seconds:
+        return out("Hold", n, "Stabilizing", f"SLO met for {waited:.0f}s of {p.stabilization_seconds:g}s", healthy)
+    if mem.last_scale_at is not None and obs.now - mem.last_scale_at < p.stabilization_seconds:
+        return out("Hold", n, "Stabilizing", "recently scaled", healthy)
+    ok, text = consolidation(s, p, n, model)
+    if not ok:
+        return out("Hold", n, "ConsolidationUnsafe", text, healthy)
+    return out("ScaleDown", n - 1, "Consolidate", text, replace(healthy, healthy_since=None))

@@ -1,0 +1,92 @@
+"""Turning a raw InferenceService into a validated spec, or into messages a user can act on.
+
+The schema and CEL catch most mistakes at `kubectl apply`; this catches the rest (checks that need
+computation) and everything again when the CRD in the cluster is older than the operator.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from superinfer.engine import contract
+from superinfer.operator import quantity
+from superinfer.operator.api import InferenceServiceSpec
+
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Flags the operator renders itself; setting them in engine.args would fight the spec.
+RENDERED_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--policy", "--device")
+# Host memory the engine needs beyond the CPU KV tier (Python, tokenizer, pinned staging).
+MEMORY_HEADROOM_GIB = 2.0
+
+
+@dataclass
+class Outcome:
+    spec: InferenceServiceSpec | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.spec is not None and not self.problems
+
+    @property
+    def message(self) -> str:
+        return "; ".join(self.problems)
+
+
+def validate(name: str, raw_spec: Mapping[str, Any]) -> Outcome:
+    problems = check_name(name)
+    try:
+        spec = InferenceServiceSpec.model_validate(dict(raw_spec))
+    except ValidationError as exc:
+        return Outcome(None, problems + format_errors(exc))
+    problems += semantic_problems(spec)
+    return Outcome(spec, problems)
+
+
+def check_name(name: str) -> list[str]:
+    if len(name) > 63 or not DNS_1035.match(name):
+        return [
+            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
+            "starting with a letter, at most 63 characters): it names the Service"
+        ]
+    return []
+
+
+def format_errors(exc: ValidationError) -> list[str]:
+    out = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in ("spec", *error["loc"]))
+        message = error["msg"].removeprefix("Value error, ")
+        out.append(f"{where}: {message}")
+    return out
+
+
+def semantic_problems(spec: InferenceServiceSpec) -> list[str]:
+    problems: list[str] = []
+    offload = spec.kv_cache.cpu_offload
+    if offload is not None:
+        need = quantity.gib(offload.size) + MEMORY_HEADROOM_GIB
+        have = quantity.gib(spec.resources.memory)
+        if have < need:
+            problems.append(
+                f"resources.memory ({spec.resources.memory}) must cover kvCache.cpuOffload.size "
+                f"({offload.size}) plus {MEMORY_HEADROOM_GIB:g}Gi for the engine: raise resources.memory "
+                f"to at least {need:g}Gi or lower the offload size"
+            )
+        if spec.engine.policy == "fcfs":
+            problems.append("kvCache.cpuOffload needs engine.policy rotary or watermark (fcfs recomputes)")
+    if spec.scheduling.gpu_product and spec.resources.gpus == 0:
+        problems.append("scheduling.gpuProduct is set but resources.gpus is 0: request at least one GPU")
+    for arg in spec.engine.args:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        if flag in RENDERED_FLAGS:
+            problems.append(f"engine.args must not set {flag}: the operator renders it from the spec")
+        elif flag not in contract.SERVE_FLAGS:
+            problems.append(f"engine.args has {flag}, which `superinfer serve` does not accept")
+    return problems
