@@ -24,7 +24,7 @@ from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
-from superinfer.engine.model import LoadedModel, load_model
+from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.runner import ModelRunner
 from superinfer.engine.slo import SLO

@@ -32,6 +32,13 @@ log = logging.getLogger("superinfer.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def common_prefix(paths: list[tuple]) -> tuple:
+    """The shared start of error locations (a failed union reports one location per member)."""
+    first = paths[0]
+    n = next((i for i in range(len(first)) if any(len(p) <= i or p[i] != first[i] for p in paths)), len(first))
+    return first[:n]
+
+
 def error_response(err: APIError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
@@ -115,11 +122,11 @@ class OpenAIServer:
         try:
             body = model.model_validate(raw)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
+            errors = exc.errors()
+            loc = ".".join(str(p) for p in common_prefix([e["loc"] for e in errors]))
+            if errors[0]["type"] == "extra_forbidden":
                 raise APIError(400, f"unrecognized request argument: {loc!r}", param=loc) from exc
-            raise APIError(400, f"invalid value for {loc!r}: {err['msg']}", param=loc) from exc
+            raise APIError(400, f"invalid value for {loc!r}: {errors[0]['msg']}", param=loc) from exc
         if body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", type="not_found_error", param="model", code="model_not_found")

@@ -1,0 +1,212 @@
+"""The HTTP server end to end: the official openai client, every bad input, disconnects, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+from superinfer.engine import contract as c
+from superinfer.engine.config import EngineConfig
+from superinfer.engine.server import RunningServer, start_server
+
+MODEL = "tiny-test"
+
+
+@pytest.fixture
+async def server():
+    running = await start_server(EngineConfig(model="tiny", served_model_name=MODEL, device="cpu", port=0,
+                                              max_model_len=256, num_gpu_blocks=64, max_request_bytes=64 * 1024))
+    yield running
+    await running.close()
+
+
+@pytest.fixture
+async def client(server: RunningServer):
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as cl:
+        yield cl
+
+
+async def all_blocks_free(server: RunningServer, timeout: float = 10.0) -> bool:
+    """Wait (bounded) until the engine holds no request and every KV block is free again."""
+    core = server.server.core
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not core.scheduler.requests and core.kv.num_free_blocks == core.kv.num_blocks:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_completions_with_the_openai_client(client):
+    done = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 8 and done.usage.prompt_tokens > 0
+    stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    pieces = [chunk.choices[0].text async for chunk in stream]
+    assert "".join(pieces) == done.choices[0].text
+
+
+async def test_chat_with_the_openai_client(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    done = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert done.choices[0].message.role == "assistant" and done.usage.completion_tokens == 6
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == done.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+async def test_models_health_ready(client, server):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with aiohttp.ClientSession() as http:
+        for path in (c.HEALTH_PATH, c.READY_PATH):
+            async with http.get(server.url + path) as resp:
+                assert resp.status == 200
+
+
+async def test_logprobs_in_both_apis(client):
+    done = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.top_logprobs[0]) <= 2 and all(v <= 0 for v in lp.token_logprobs)
+    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and len(content[0].top_logprobs) == 2
+
+
+BAD_REQUESTS = [
+    (c.COMPLETIONS_PATH, b"{not json", 400, None),
+    (c.COMPLETIONS_PATH, b"[1, 2]", 400, None),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    (c.COMPLETIONS_PATH, {"model": "gpt-nope", "prompt": "x"}, 404, "model"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": list(range(3, 300)), "max_tokens": 1}, 400, "messages"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "", "max_tokens": 1}, 400, "prompt"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": [10**9], "max_tokens": 1}, 400, None),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "slo": {"ttft_ms": -5}}, 400, "slo.ttft_ms"),
+    (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": []}, 400, "messages"),
+    (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                               "tools": [{"type": "function"}]}, 400, "tools"),
+    (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                               "top_logprobs": 2}, 400, "top_logprobs"),
+]
+
+
+async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server, client):
+    async with aiohttp.ClientSession() as http:
+        for path, body, status, param in BAD_REQUESTS:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            for stream in (False, True):
+                if stream and isinstance(body, dict):
+                    data = json.dumps({**body, "stream": True}).encode()
+                async with http.post(server.url + path, data=data,
+                                     headers={"Content-Type": "application/json"}) as resp:
+                    payload = await resp.json()
+                    assert resp.status == status, (body, payload)
+                    assert set(payload["error"]) >= {"message", "type", "param", "code"}
+                    assert payload["error"]["message"]
+                    if param is not None:
+                        assert payload["error"]["param"] == param, (body, payload)
+        big = json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode()
+        async with http.post(server.url + c.COMPLETIONS_PATH, data=big) as resp:
+            assert resp.status == 413 and "error" in await resp.json()
+        async with http.get(server.url + "/v1/nothing") as resp:
+            assert resp.status == 404 and "error" in await resp.json()
+    done = await client.completions.create(model=MODEL, prompt="still alive", max_tokens=2)
+    assert done.usage.completion_tokens >= 1
+    assert await all_blocks_free(server)
+
+
+async def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+
+
+async def test_client_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(server.url + c.COMPLETIONS_PATH, json=body)
+        assert resp.status == 200
+        got = 0
+        async for line in resp.content:
+            got += line.startswith(b"data: ")
+            if got == 3:
+                break
+        assert server.server.core.scheduler.requests, "the request is live mid-stream"
+        resp.close()  # drop the connection
+    assert await all_blocks_free(server)
+    aborted = server.server.core.metrics.registry.get_sample_value(
+        c.metric("requests_finished_total"), {"model_name": MODEL, "finished_reason": "abort"})
+    assert aborted == 1.0
+
+
+async def test_api_key():
+    running = await start_server(EngineConfig(model="tiny", device="cpu", port=0, api_key="s3cret",
+                                              num_gpu_blocks=32, max_model_len=128))
+    try:
+        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.models.list()
+        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="s3cret", max_retries=0) as good:
+            assert (await good.models.list()).data[0].id == "tiny"
+        async with aiohttp.ClientSession() as http, http.get(running.url + c.HEALTH_PATH) as resp:
+            assert resp.status == 200  # probes need no key
+    finally:
+        await running.close()
+
+
+async def test_metrics_and_per_request_slo(server, client):
+    await client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_headers={c.SLO_TTFT_HEADER: "1e-6"})
+    await client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"slo": {"ttft_ms": 1e9}})
+    async with aiohttp.ClientSession() as http, http.get(server.url + c.METRICS_PATH) as resp:
+        text = await resp.text()
+    for name in ("requests_running", "kv_cache_usage_ratio", "time_to_first_token_seconds_bucket",
+                 "generation_tokens_total", "slo_requests_total", "slo_target_seconds"):
+        assert c.metric(name) in text
+    reg = server.server.core.metrics.registry
+    labels = {"model_name": MODEL, "tbt": "met"}
+    assert reg.get_sample_value(c.metric("slo_requests_total"), {**labels, "ttft": "missed"}) == 1.0
+    assert reg.get_sample_value(c.metric("slo_requests_total"), {**labels, "ttft": "met"}) == 1.0
+    assert reg.get_sample_value(c.metric("slo_target_seconds"), {"model_name": MODEL, "kind": "ttft"}) == 5.0
+
+
+async def test_concurrent_streams_all_complete(server):
+    async def one(http: aiohttp.ClientSession, i: int) -> int:
+        body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 10, "stream": True, "ignore_eos": True}
+        async with http.post(server.url + c.COMPLETIONS_PATH, json=body) as resp:
+            return len([line async for line in resp.content if line.startswith(b"data: {")])
+
+    async with aiohttp.ClientSession() as http:
+        counts = await asyncio.gather(*(one(http, i) for i in range(12)))
+    assert counts == [10] * 12
+    assert await all_blocks_free(server)
+
+
+async def test_drain_refuses_new_work(server, client):
+    await server.drain(timeout_s=1.0)
+    async with aiohttp.ClientSession() as http, http.get(server.url + c.READY_PATH) as resp:
+        assert resp.status == 503
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert err.value.status_code == 503
