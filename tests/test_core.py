@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections import Counter
@@ -9,7 +10,6 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from superinfer.engine.core.kv import KVCacheManager, cdiv
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -104,7 +104,7 @@ def test_preempted_request_recomputes_prompt_and_outputs(prefix):
         s.update(plan, {q.request_id: 5 for q in plan.seqs if q.sample})
     assert not s.has_work and s.kv.num_free_blocks == 5
     assert s.counters.preemptions["recompute"] >= 1
-    restarts = [p for prev, p in zip(starts["b"], starts["b"][1:]) if p <= prev]
+    restarts = [p for prev, p in itertools.pairwise(starts["b"]) if p <= prev]
     assert restarts, "the preempted request was prefilled again"
     if prefix:
         assert all(p % BS == 0 and p > 0 for p in restarts), "it resumed from its own cached blocks"
