@@ -5,6 +5,7 @@ layers is one contiguous region, so moving a block between tiers is one copy.
 The backend implements the model's `Attention` protocol for one step: it writes the step's K/V
 into the cache slots, then attends each query to its sequence's cached keys. Decode rows (one
 query token) are batched into one masked attention; prefill chunks run one sequence at a time.
+The Triton kernels replace this on GPUs; it stays the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -47,47 +48,32 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.meta
-        k_cache = self.kv_cache[:, layer, 0]  # [num_blocks, block_size, kv_heads, head_dim]
-        v_cache = self.kv_cache[:, layer, 1]
-        k_cache[m.slot_blocks, m.slot_offsets] = k.to(k_cache.dtype)
-        v_cache[m.slot_blocks, m.slot_offsets] = v.to(v_cache.dtype)
+        layer_cache = self.kv_cache[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim]
+        layer_cache[m.slot_blocks, 0, m.slot_offsets] = k.to(layer_cache.dtype)
+        layer_cache[m.slot_blocks, 1, m.slot_offsets] = v.to(layer_cache.dtype)
 
         out = torch.empty_like(q)
         if m.decode_rows.numel():
-            out[m.decode_rows] = self._decode(q[m.decode_rows], k_cache, v_cache)
+            keys, values = self._gather(layer, m.decode_tables)
+            visible = torch.arange(keys.shape[2], device=q.device)[None, :] < m.decode_context[:, None]
+            out[m.decode_rows] = self._attend(q[m.decode_rows, :, None], keys, values, visible[:, None, None])[:, :, 0]
         for start, q_len, ctx, blocks in m.prefills:
-            out[start : start + q_len] = self._prefill(q[start : start + q_len], k_cache, v_cache, ctx, blocks)
+            keys, values = self._gather(layer, blocks[None])
+            # Query i sits at position ctx - q_len + i and sees keys 0..that position.
+            rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
+            visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= rows
+            rows_q = q[start : start + q_len].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+            out[start : start + q_len] = self._attend(rows_q, keys, values, visible)[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        m = self.meta
-        b, hq, d = q.shape
-        hk = k_cache.shape[2]
-        keys = k_cache[m.decode_tables].flatten(1, 2)  # [B, S, Hk, D]
-        values = v_cache[m.decode_tables].flatten(1, 2)
-        qg = q.view(b, hk, hq // hk, d).float()
-        scores = torch.einsum("bhgd,bshd->bhgs", qg, keys.float()) * self.scale
-        pos = torch.arange(keys.shape[1], device=q.device)
-        invalid = pos[None, :] >= m.decode_context[:, None]  # [B, S]
-        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out = torch.einsum("bhgs,bshd->bhgd", probs, values.float())
-        return out.reshape(b, hq, d).to(q.dtype)
+    def _gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, S, head_dim] of padded block tables [B, max_blocks]: one gather."""
+        kv = self.kv_cache[tables, layer]  # [B, max_blocks, 2, block_size, kv_heads, head_dim]
+        kv = kv.permute(2, 0, 4, 1, 3, 5).flatten(3, 4)
+        return kv[0], kv[1]
 
-    def _prefill(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: int, blocks: torch.Tensor,
-    ) -> torch.Tensor:
-        q_len, hq, _ = q.shape
-        hk = k_cache.shape[2]
-        keys = k_cache[blocks].flatten(0, 1)[:ctx]  # [S, Hk, D]
-        values = v_cache[blocks].flatten(0, 1)[:ctx]
-        group = hq // hk
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        # Query i sits at position ctx - q_len + i and sees keys 0..that position.
-        rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=self.scale
-        )
-        return out.transpose(0, 1)
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+                ) -> torch.Tensor:
+        """q [B, Hq, L, D] over keys/values [B, Hk, S, D]; `visible` masks keys (True = attend)."""
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible,
+                                              scale=self.scale, enable_gqa=True)

@@ -88,6 +88,7 @@ class EngineCore:
         loaded = load_model(config.model, dtype=None if config.dtype == "auto" else config.dtype,
                             device=str(self.device), dummy=config.dummy_weights)
         mc = self.model_config = loaded.config
+        self.model_path = loaded.path
         self.dtype = next(loaded.model.parameters()).dtype
         self.tokenizer = Tokenizer.from_dir(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)

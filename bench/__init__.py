@@ -1,0 +1,1 @@
+"""Benchmarks. Each writes one JSON file per run to bench/results/ (see record.py)."""

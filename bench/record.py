@@ -1,0 +1,66 @@
+"""Benchmark results as JSON: the command, commit, device and versions with every figure."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def write_result(bench: str, device: str, figures: dict[str, Any], goal: dict[str, Any],
+                 extra: dict[str, Any] | None = None) -> Path:
+    name = device_name(device)
+    record = {
+        "bench": bench,
+        "command": " ".join(["python", "-m", *sys.argv]) if sys.argv[0].endswith(".py") else " ".join(sys.argv),
+        "commit": commit(),
+        "device": name,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "figures": figures,
+        "goal": goal,
+        **(extra or {}),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    slug = name.lower().replace(" ", "-")
+    path = RESULTS / f"{bench}-{slug}-{dt.date.today().isoformat()}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
