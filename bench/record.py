@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import platform
@@ -36,10 +37,8 @@ def versions() -> dict[str, str]:
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "triton"):
-        try:
+        with contextlib.suppress(ImportError):
             out[name] = __import__(name).__version__
-        except ImportError:
-            pass
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     return out
