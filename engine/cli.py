@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
+
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.contract import API_KEY_ENV
 

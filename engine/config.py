@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from superinfer.engine.contract import DEFAULT_PORT, DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
 
 

@@ -6,6 +6,7 @@ import random
 
 from rich.console import Console
 from rich.table import Table
+
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.loadgen import LoadRequest, run_load
 from superinfer.engine.server import start_server

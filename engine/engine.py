@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
+
 from superinfer.engine.attention import allocate_kv_cache
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.kv import KVCacheManager

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+
 from superinfer.engine.contract import COMPLETIONS_PATH
 from superinfer.engine.slo import SLO, RequestTiming
 

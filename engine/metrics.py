@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
 from superinfer.engine import contract as c
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.scheduler import SchedulerCounters

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from superinfer.engine.attention import AttentionMetadata, PagedAttention
 from superinfer.engine.core.kv import cdiv
 from superinfer.engine.core.plan import StepPlan

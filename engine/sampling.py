@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from superinfer.engine.core.request import SamplingParams
 
 

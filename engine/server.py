@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
+
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import AsyncEngine, EngineCore, EngineDeadError

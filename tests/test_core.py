@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from superinfer.engine.core.kv import KVCacheManager, cdiv
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig

@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
+
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
-
 from tests.hf_fixtures import hf_model, make_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

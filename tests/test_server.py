@@ -9,6 +9,7 @@ import time
 import aiohttp
 import openai
 import pytest
+
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.server import RunningServer, start_server
