@@ -61,7 +61,8 @@ def test_logprobs_match_transformers(tmp_path):
     core = engine(str(path))
     core.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=3))
     (out,) = core.step()
-    expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     lp = out.logprobs[0]
     assert lp.token_id == int(expected.argmax())
     assert lp.logprob == pytest.approx(float(expected.max()), abs=1e-4)
