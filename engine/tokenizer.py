@@ -2,7 +2,8 @@
 
 No transformers at runtime: `tokenizer.json` carries the model, the special tokens and the BOS
 post-processor; `tokenizer_config.json` names bos/eos and may hold the chat template;
-`chat_template.jinja` (newer repos) holds it beside; `generation_config.json` adds eos ids.
+`chat_template.jinja` (newer repos) holds it beside, `chat_template.json` in some older ones;
+`generation_config.json` adds eos ids.
 Chat templates are rendered the way transformers does (sandboxed jinja2, trim_blocks,
 lstrip_blocks, `raise_exception`, `strftime_now`, a non-escaping `tojson`).
 """
@@ -95,6 +96,9 @@ class Tokenizer:
         add_bos_token: bool | None = None,
         chat_template: str | None = None,
     ) -> None:
+        # Some tokenizer.json files carry truncation/padding settings; a server must see whole prompts.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self._tok = tokenizer
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -116,7 +120,10 @@ class Tokenizer:
         gen_eos = _read_json(path / "generation_config.json").get("eos_token_id")
         gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
         template_file = path / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if template_file.is_file():
+            template = template_file.read_text()
+        else:  # older repos: inside tokenizer_config.json, or a processor's chat_template.json
+            template = config.get("chat_template") or _read_json(path / "chat_template.json").get("chat_template")
         specials = {
             key: content
             for key in ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -181,10 +188,10 @@ class Tokenizer:
     ) -> str:
         """Render the conversation to a prompt string (encode it with add_special_tokens=False,
         or rely on encode() not doubling BOS). Extra kwargs (tools, documents...) reach the template."""
+        # Like transformers: tools/documents are defined (None) even when not given.
+        variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
-            )
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:
             raise
         except jinja2.exceptions.TemplateError as e:

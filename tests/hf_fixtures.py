@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from superinfer.engine.model.tiny import (
     BOS,
     END_OF_TEXT,

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
+
 from superinfer.engine.model import (
     DecoderLM,
     ModelConfig,
@@ -26,7 +27,6 @@ from superinfer.engine.model import (
 from superinfer.engine.model.loader import PRESETS_DIR
 from superinfer.engine.model.tiny import BOS, END_OF_TEXT, EOT, TINY_DIRNAME
 from superinfer.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
-
 from tests.hf_fixtures import LLAMA3_SCALING, hf_model, make_hf_checkpoint, to_v4_config
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +40,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> tor
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     n, total = q.shape[0], k.shape[0]
-    mask = torch.arange(total)[None, :] <= (past + torch.arange(n))[:, None]
+    mask = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
     )
@@ -91,10 +91,12 @@ def _prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[torch.Tensor
 
 @torch.no_grad()
 def _our_logits(model: DecoderLM, prompts: list[torch.Tensor]) -> torch.Tensor:
-    ids = torch.cat(prompts)
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    """Logits of every prompt token, all prompts in one flattened call; returned on the CPU."""
+    device = model.lm_head.weight.device
+    ids = torch.cat(prompts).to(device)
+    positions = torch.cat([torch.arange(len(p)) for p in prompts]).to(device)
     hidden = model(ids, positions, DenseCausalAttention([len(p) for p in prompts]))
-    return model.compute_logits(hidden)
+    return model.compute_logits(hidden).cpu()
 
 
 @torch.no_grad()
@@ -227,6 +229,9 @@ def test_half_precision_runs_close_to_float32(dtype: str, tmp_path: Path) -> Non
     low = _our_logits(half, prompts)
     assert low.dtype == torch.float32
     assert (low - full).abs().max() < 0.05 * full.abs().max()
+    cast = load_model(str(path)).model.to(getattr(torch, dtype))  # a later cast keeps float32 RoPE too
+    assert cast.rotary.cos_cached.dtype == torch.float32
+    torch.testing.assert_close(cast.rotary.sin_cached, half.rotary.sin_cached, atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,6 +509,14 @@ def test_tokenizer_round_trip_and_transformers_parity(tok: Tokenizer, hf_tok, te
         assert tok.decode(ids) == text
 
 
+def test_tokenizer_ignores_truncation_settings(tiny_dir: Path, tmp_path: Path) -> None:
+    shutil.copytree(tiny_dir, tmp_path / "t")
+    raw = json.loads((tmp_path / "t" / "tokenizer.json").read_text())
+    raw["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    (tmp_path / "t" / "tokenizer.json").write_text(json.dumps(raw))
+    assert len(Tokenizer.from_dir(tmp_path / "t").encode("one two three four five six seven")) > 4
+
+
 def test_tokenizer_special_ids(tok: Tokenizer) -> None:
     assert tok.bos_token_id == tok.token_to_id(BOS)
     assert tok.eos_token_ids == frozenset({tok.token_to_id(END_OF_TEXT), tok.token_to_id(EOT)})
@@ -577,6 +590,11 @@ def test_chat_template_sources_and_helpers(tiny_dir: Path, tmp_path: Path) -> No
     none = _tok_with_config(tiny_dir, tmp_path / "c")
     with pytest.raises(ValueError, match="no chat template"):
         none.apply_chat_template(MESSAGES)
+    tools_template = "{% if tools is not none %}{{ tools | length }} tools{% else %}no tools{% endif %}"
+    (tmp_path / "c" / "chat_template.json").write_text(json.dumps({"chat_template": tools_template}))
+    legacy = Tokenizer.from_dir(tmp_path / "c")
+    assert legacy.apply_chat_template(MESSAGES) == "no tools"  # `tools` is defined (None) as in transformers
+    assert legacy.apply_chat_template(MESSAGES, tools=[{"name": "f"}]) == "1 tools"
 
 
 @functools.cache
@@ -650,3 +668,35 @@ def test_incremental_detokenizer_equals_full_decode(tok: Tokenizer, stream, skip
             assert "\ufffd" not in new
     detok.flush()
     assert detok.text == full
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA (`gpu` tests are skipped by conftest.py where there is no GPU).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_cuda_logits_match_transformers(arch: str, tmp_path: Path) -> None:
+    path = make_hf_checkpoint(arch, tmp_path / arch, seed=2, rope_scaling=LLAMA3_SCALING if arch == "llama" else None)
+    prompts = _prompts([7, 45, 3], 3072)
+    ref = _hf_logits(hf_model(path), prompts)
+    fp32 = load_model(str(path), device="cuda", dtype="float32").model
+    torch.testing.assert_close(_our_logits(fp32, prompts), ref, atol=2e-3, rtol=2e-3)
+    bf16 = load_model(str(path), device="cuda", dtype="bfloat16").model
+    assert (_our_logits(bf16, prompts) - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.gpu
+def test_cuda_dummy_8b_is_allocated_once_in_bf16() -> None:
+    cfg = preset_config("llama-3-8b")
+    weights = cfg.num_params() * 2
+    if torch.cuda.get_device_properties(0).total_memory < 1.3 * weights:
+        pytest.skip("GPU too small for an 8B model in bf16")
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = load_model("llama-3-8b", device="cuda")
+    assert loaded.model.lm_head.weight.dtype == torch.bfloat16  # the config's dtype on CUDA
+    assert torch.cuda.max_memory_allocated() - base < weights * 1.02 + (64 << 20)  # no fp32 staging
+    del loaded
+    torch.cuda.empty_cache()

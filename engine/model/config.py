@@ -130,7 +130,7 @@ class ModelConfig:
     o_proj_bias: bool = False  # llama/qwen3 `attention_bias` also covers o_proj; qwen2 never has it
     mlp_bias: bool = False
     qk_norm: bool = False
-    dtype: str = "bfloat16"
+    dtype: str = "float32"  # what transformers assumes when a config names none
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
