@@ -1,0 +1,140 @@
+"""One autoscaler tick for one InferenceService: scrape, window, decide, scale, record."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+import aiohttp
+import kopf
+
+from superinfer.operator import conditions, names, scrape
+from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.autoscaler import Decision, Observation, Params, decide
+from superinfer.operator.kube import PODS
+from superinfer.operator.reconcile import ISVC, now_iso
+from superinfer.operator.state import Scaler, State, pod_metrics_url
+
+HISTORY = 10
+
+
+async def scrape_pods(
+    pods: list[Mapping[str, Any]], scaler: Scaler, now: float, timeout: float, model_name: str, log: logging.Logger
+) -> bool:
+    """Scrape every ready pod into the window; True when all of them answered."""
+    urls = {p["metadata"]["name"]: pod_metrics_url(p) for p in pods}
+    async with aiohttp.ClientSession() as session:
+
+        async def one(pod: str, url: str | None) -> bool:
+            if url is None:
+                return False
+            try:
+                text = await scrape.fetch(session, url, timeout)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.info("scrape of %s failed: %s", url, exc)
+                return False
+            scaler.window.add(pod, scrape.parse(text, now, model_name))
+            return True
+
+        results = await asyncio.gather(*(one(pod, url) for pod, url in urls.items()))
+    scaler.window.forget_missing(urls)
+    return all(results) and bool(results)
+
+
+def observation(spec: InferenceServiceSpec, pods: list[Mapping[str, Any]], stats: Any, fresh: bool, now: float):
+    live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+    ready = [p for p in live if conditions.is_pod_ready(p)]
+    unschedulable = [p for p in live if conditions.unschedulable_message(p)]
+    return Observation(
+        now=now,
+        replicas=spec.effective_replicas(),
+        ready=len(ready),
+        pending=len(live) - len(ready),
+        unschedulable=len(unschedulable),
+        stats=stats,
+        fresh=fresh,
+    )
+
+
+def record(scaler: Scaler, decision: Decision, now: float, current: int, stats: Any) -> None:
+    stamp = now_iso(now)
+    entry = {
+        "time": stamp,
+        "action": decision.action,
+        "reason": decision.reason,
+        "message": decision.message[:1024],
+        "fromReplicas": current,
+        "toReplicas": decision.target,
+        "applied": decision.apply,
+    }
+    history = list(scaler.status.get("history", []))
+    if decision.action != "Hold":
+        history = [*history, entry][-HISTORY:]
+    scaler.status = {"lastDecision": entry, "history": history}
+    if decision.memory.last_scale_at is not None:
+        scaler.status["lastScaleTime"] = now_iso(decision.memory.last_scale_at)
+    if decision.memory.healthy_since is not None:
+        scaler.status["healthySince"] = now_iso(decision.memory.healthy_since)
+    scaler.metrics, scaler.scaling, scaler.slo = decision.metrics, decision.scaling, decision.slo
+    scaler.memory = decision.memory
+    scaler.desired = decision.target
+    if stats is not None:
+        scaler.slo_status = {
+            k: v
+            for k, v in {
+                "ttftMs": _round(stats.ttft_p90_ms),
+                "tbtMs": _round(stats.tbt_p90_ms),
+                "attainment": _round(stats.attainment, 4),
+                "requests": int(stats.requests),
+                "evaluatedAt": stamp,
+            }.items()
+            if v is not None
+        }
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> Decision | None:
+    """Evaluate (when intervalSeconds have passed) and act; None when it was not yet time."""
+    meta = owner["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    try:
+        spec = InferenceServiceSpec.model_validate(owner.get("spec") or {})
+    except ValueError:
+        return None
+    if not spec.autoscaling.enabled:
+        return None
+    params = Params.from_spec(spec)
+    now = state.config.clock()
+    scaler = state.scaler((ns, name), params.window_seconds)
+    if scaler.last_eval and now - scaler.last_eval < params.interval_seconds - 0.5:
+        return None
+    scaler.last_eval = now
+    pods = await state.kube.list(PODS, ns, names.selector_labels(name))
+    ready = [p for p in pods if conditions.is_pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
+    served = spec.served_model_name(name)
+    all_ok = await scrape_pods(ready, scaler, now, state.config.scrape_timeout, served, log)
+    stats = scaler.window.stats(now, fresh_seconds=params.interval_seconds * 2 + state.config.scrape_timeout)
+    if stats is not None and stats.running > 0 and stats.tbt_mean_ms:
+        scaler.model.observe(stats.running / max(len(ready), 1), stats.tbt_mean_ms / 1000)
+    obs = observation(spec, pods, stats, all_ok, now)
+    decision = decide(obs, params, scaler.memory, scaler.model)
+    record(scaler, decision, now, obs.replicas, stats)
+    state.metrics.desired_replicas.labels(ns, name).set(decision.target)
+    if stats is not None and stats.attainment is not None:
+        state.metrics.slo_attainment.labels(ns, name).set(stats.attainment)
+    if decision.action != "Hold":
+        direction = "up" if decision.action == "ScaleUp" else "down"
+        state.metrics.decisions.labels(ns, name, direction, decision.reason).inc()
+    if decision.apply:
+        await state.kube.patch(ISVC, ns, name, {"spec": {"replicas": decision.target}}, sub="scale")
+        kopf.info(owner, reason=decision.action, message=f"{obs.replicas} → {decision.target}: {decision.message}")
+    elif decision.action != "Hold":
+        kopf.info(owner, reason="ScaleRecommended", message=f"Advisory: {decision.message}")
+    log.debug("autoscaler %s/%s: %s", ns, name, asdict(decision)["reason"])
+    return decision

@@ -1,0 +1,91 @@
+"""What the running operator keeps in memory: config, API client, per-service locks and scalers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from superinfer.engine import contract
+from superinfer.operator import names
+from superinfer.operator.autoscaler import Memory
+from superinfer.operator.conditions import Cond
+from superinfer.operator.kube import Kube, Login
+from superinfer.operator.latency import LatencyModel
+from superinfer.operator.metrics import OperatorMetrics
+from superinfer.operator.scrape import Window
+
+
+def pod_metrics_url(pod: Mapping[str, Any]) -> str | None:
+    """The engine's /metrics on a pod: its IP and the container port named http."""
+    ip = pod.get("status", {}).get("podIP")
+    if not ip:
+        return None
+    port = contract.DEFAULT_PORT
+    for container in pod.get("spec", {}).get("containers", []) or []:
+        for p in container.get("ports", []) or []:
+            if p.get("name") == names.PORT_NAME:
+                port = int(p["containerPort"])
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}{contract.METRICS_PATH}"
+
+
+@dataclass
+class Config:
+    login: Login
+    default_image: str = names.DEFAULT_ENGINE_IMAGE
+    podmonitor: Literal["auto", "always", "never"] = "auto"
+    timer_interval: float = 5.0  # how often the autoscaler timer wakes (each service has its own interval)
+    scrape_timeout: float = 3.0
+    clock: Callable[[], float] = time.time
+
+
+@dataclass
+class Scaler:
+    """One InferenceService's autoscaler memory."""
+
+    memory: Memory
+    window: Window
+    model: LatencyModel = field(default_factory=LatencyModel)
+    last_eval: float = 0.0
+    desired: int | None = None
+    metrics: Cond | None = None
+    scaling: Cond | None = None
+    slo: Cond | None = None
+    status: dict[str, Any] = field(default_factory=dict)  # status.autoscaler
+    slo_status: dict[str, Any] = field(default_factory=dict)  # status.slo
+
+
+@dataclass
+class State:
+    config: Config
+    kube: Kube
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
+    scalers: dict[tuple[str, str], Scaler] = field(default_factory=dict)
+    _podmonitor_api: tuple[float, bool] | None = None
+
+    async def podmonitor_api(self) -> bool:
+        """Whether PodMonitors can be created (checked at most once a minute)."""
+        if self.config.podmonitor != "auto":
+            return self.config.podmonitor == "always"
+        now = self.config.clock()
+        if self._podmonitor_api is None or now - self._podmonitor_api[0] > 60:
+            self._podmonitor_api = (now, await self.kube.served("monitoring.coreos.com/v1"))
+        return self._podmonitor_api[1]
+
+    def scaler(self, key: tuple[str, str], window_seconds: float) -> Scaler:
+        scaler = self.scalers.get(key)
+        if scaler is None or scaler.window.seconds != window_seconds:
+            memory = scaler.memory if scaler else Memory(started_at=self.config.clock())
+            scaler = Scaler(memory=memory, window=Window(seconds=window_seconds))
+            self.scalers[key] = scaler
+        return scaler
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self.scalers.pop(key, None)
+        self.locks.pop(key, None)
+        self.metrics.forget(*key)
