@@ -10,6 +10,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, WithJsonSchema
+
 from superinfer.engine.contract import DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
 from superinfer.operator import quantity
 from superinfer.operator.rules import KubeModel, Rule

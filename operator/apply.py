@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import kopf
+
 from superinfer.operator.kube import BY_KIND, ApiError, Kube
 from superinfer.operator.names import LAST_APPLIED
 

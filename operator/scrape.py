@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
 from superinfer.engine.contract import metric
 
 SLO_SERIES = metric("slo_requests") + "_total"

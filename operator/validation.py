@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
+
 from superinfer.engine import contract
 from superinfer.operator import quantity
 from superinfer.operator.api import InferenceServiceSpec

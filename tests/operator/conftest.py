@@ -82,6 +82,15 @@ class Running:
     def isvc(self, name: str, namespace: str = "default") -> dict[str, Any] | None:
         return self.obj(ISVC_RES, name, namespace)
 
+    async def wait_condition(self, name: str, ctype: str, **fields: str) -> dict[str, Any]:
+        """Wait until a condition exists with these fields (e.g. reason="CrashLoop")."""
+
+        def check() -> dict[str, Any] | None:
+            cond = self.condition(name, ctype)
+            return cond if cond and all(cond.get(k) == v for k, v in fields.items()) else None
+
+        return await eventually(check)
+
     def condition(self, name: str, ctype: str) -> dict[str, Any] | None:
         obj = self.isvc(name) or {}
         return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype), None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import kmock as km
 
 from superinfer.operator import names
-from superinfer.operator.kube import DEPLOYMENTS, PDBS, PODS, SERVICES
+from superinfer.operator.kube import DEPLOYMENTS, PODS, SERVICES
 from superinfer.operator.reconcile import ISVC
 from tests.operator.conftest import eventually
 
@@ -60,7 +60,7 @@ async def test_ready_when_pods_and_deployment_are_ready(running):
     await running.api.create(PODS, "default", pod("tiny-abc", "tiny", ready=True))
     await running.api.patch(DEPLOYMENTS, "default", "tiny",
                             {"status": {"replicas": 1, "readyReplicas": 1}}, sub="status")  # fmt: skip
-    ready = await eventually(lambda: (c := running.condition("tiny", "Ready")) and c["status"] == "True" and c)
+    ready = await running.wait_condition("tiny", "Ready", status="True")
     assert ready["reason"] == "Ready"
     status = running.isvc("tiny")["status"]
     assert (status["readyReplicas"], status["replicas"]) == (1, 1)
