@@ -10,6 +10,7 @@ from superinfer.operator import promql as q
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 OPS_SEL = 'namespace=~"$namespace"'
+TARGET = f"max by (inferenceservice) (superinfer_operator_slo_attainment_target{{{OPS_SEL}}})"
 
 
 def _target(expr: str, legend: str, ref: str) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def slo_overview() -> dict[str, Any]:
         panel("Requests/s with an SLO verdict", [(finished, "{{model_name}}")], "reqps", "stat", 6, 5),
         panel(
             "Attainment target",
-            [(f"max by (inferenceservice) (superinfer_operator_slo_attainment_target{{{OPS_SEL}}})", "{{inferenceservice}}")],
+            [(TARGET, "{{inferenceservice}}")],
             "percentunit",
             "stat",
             6,
@@ -112,10 +113,7 @@ def slo_overview() -> dict[str, Any]:
             [
                 (q.attainment(), "attainment {{model_name}}"),
                 (q.ttft_attainment(), "TTFT only {{model_name}}"),
-                (
-                    f"max by (inferenceservice) (superinfer_operator_slo_attainment_target{{{OPS_SEL}}})",
-                    "target {{inferenceservice}}",
-                ),
+                (TARGET, "target {{inferenceservice}}"),
             ],
             "percentunit",
             width=24,
