@@ -1,0 +1,3 @@
+from superinfer.operator.main import main
+
+main()

@@ -1,0 +1,57 @@
+"""Entrypoint: `python -m superinfer.operator` runs the Kopf operator with a liveness endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+import kopf
+
+from superinfer.operator import names
+from superinfer.operator.handlers import build_registry
+from superinfer.operator.state import Config
+
+SETTINGS = kopf.OperatorSettings()
+
+
+async def login_from_environment() -> kopf.ConnectionInfo:
+    """In-cluster service account, else kubeconfig (through the kubernetes client, as Kopf does)."""
+    info = kopf.login_via_client(logger=logging.getLogger("superinfer.operator.login"), settings=SETTINGS)
+    if info is None:
+        raise kopf.LoginError("no in-cluster service account and no kubeconfig found")
+    return info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m superinfer.operator", description=__doc__)
+    p.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable); "
+                   "default: all namespaces")  # fmt: skip
+    p.add_argument("--engine-image", default=os.environ.get(names.ENGINE_IMAGE_ENV, names.DEFAULT_ENGINE_IMAGE))
+    p.add_argument("--pod-monitors", choices=("auto", "always", "never"), default="auto")
+    p.add_argument("--metrics-port", type=int, default=8080, help="operator metrics; 0 disables")
+    p.add_argument("--liveness-port", type=int, default=8081, help="Kopf liveness probe (/healthz); 0 disables")
+    p.add_argument("--peering", default="", help="Kopf peering name (needs the peering CRDs); default standalone")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = Config(login=login_from_environment, default_image=args.engine_image, podmonitor=args.pod_monitors)
+    registry, state = build_registry(config)
+    if args.metrics_port:
+        state.metrics.serve(args.metrics_port)
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            standalone=not args.peering,
+            peering_name=args.peering or None,
+            liveness_endpoint=liveness,
+        )
+    )
