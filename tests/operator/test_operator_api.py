@@ -1,0 +1,175 @@
+"""The InferenceService API: generated CRD in sync and valid, examples valid, invalid specs rejected
+with clear messages by all three validators (pydantic, the structural schema, and CEL)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from superinfer.operator import gen, names
+from superinfer.operator.api import InferenceService, InferenceServiceSpec
+from superinfer.operator.crd import build_crd
+from superinfer.operator.schema import structural_problems
+from superinfer.operator.validation import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def crd_schema() -> dict:
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_generated_files_are_in_sync():
+    assert gen.stale(ROOT) == [], "run: python -m superinfer.operator.gen"
+
+
+def test_crd_is_valid_structural_and_complete():
+    crd = yaml.safe_load((ROOT / gen.CRD_FILE).read_text())
+    kubernetes_validate.validate(crd, "1.33", strict=True)
+    assert structural_problems(crd_schema()) == []
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["sisvc"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Ready", "Reason", "Replicas", "TTFT", "TBT", "Attainment", "Age", "URL"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    # gt=0 became minimum + exclusiveMinimum: true (a number there is rejected by the API server).
+    assert spec["slo"]["properties"]["ttftMs"]["minimum"] == 0
+    assert spec["slo"]["properties"]["ttftMs"]["exclusiveMinimum"] is True
+    assert spec["resources"]["properties"]["memory"]["x-kubernetes-int-or-string"] is True
+    assert spec["template"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert spec["model"]["properties"]["name"]["nullable"] is True
+
+
+def test_structural_checker_catches_what_the_api_server_rejects():
+    bad = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                                            "b": {"type": "number", "exclusiveMinimum": 0}}}  # fmt: skip
+    problems = structural_problems(bad)
+    assert any(".a: type is required" in p for p in problems)
+    assert any("exclusiveMinimum must be a boolean" in p for p in problems)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate(path):
+    doc = yaml.safe_load(path.read_text())
+    jsonschema.validate(doc, crd_schema(), cls=jsonschema.Draft4Validator)
+    InferenceService.model_validate(doc)
+    outcome = validate(doc["metadata"]["name"], doc["spec"])
+    assert outcome.ok, outcome.problems
+
+
+def test_two_examples_cover_cpu_and_gh200():
+    specs = {p.name: yaml.safe_load(p.read_text())["spec"] for p in EXAMPLES}
+    assert any(s["model"]["uri"] == "preset://tiny" and s["resources"]["gpus"] == 0 for s in specs.values())
+    assert any("GH200" in s.get("scheduling", {}).get("gpuProduct", "") for s in specs.values())
+
+
+BASE = {"model": {"uri": "preset://tiny"}}
+INVALID = [
+    ({"model": {"uri": "ftp://x"}}, "model.uri must start with one of hf://"),
+    ({"model": {"uri": "pvc://claim-only"}}, "pvc://<claim>/<path/to/model>"),
+    ({"slo": {"ttftMs": 0}}, "spec.slo.ttftMs: Input should be greater than 0"),
+    ({"slo": {"attainmentTarget": 1.5}}, "spec.slo.attainmentTarget: Input should be less than or equal to 1"),
+    ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas must not exceed"),
+    ({"replicas": 9, "autoscaling": {"enabled": True, "maxReplicas": 4}}, "replicas and autoscaling.enabled"),
+    ({"scheduling": {"gpuProduct": "NVIDIA-GH200-480GB", "arch": "amd64"}}, "GH200 nodes are arm64"),
+    ({"resources": {"memory": "lots"}}, "not a Kubernetes quantity"),
+    ({"engine": {"policy": "lifo"}}, "spec.engine.policy"),
+    ({"engine": {"args": ["--port=9000"]}}, "engine.args must not set --port"),
+    ({"engine": {"args": ["--warp-speed"]}}, "`superinfer serve` does not accept"),
+    ({"kvCache": {"cpuOffload": {"size": "64Gi"}}, "resources": {"memory": "32Gi"}}, "at least 66Gi"),
+    ({"resources": {"gpus": 0}, "scheduling": {"gpuProduct": "NVIDIA-H100"}}, "request at least one GPU"),
+    ({"bogus": 1}, "spec.bogus: Extra inputs are not permitted"),
+]
+
+
+def merged(patch: dict) -> dict:
+    out = copy.deepcopy(BASE)
+    out.update(patch)
+    return out
+
+
+@pytest.mark.parametrize(("patch", "message"), INVALID, ids=[m for _, m in INVALID])
+def test_invalid_specs_get_actionable_messages(patch, message):
+    outcome = validate("svc", merged(patch))
+    assert not outcome.ok
+    assert message in outcome.message
+
+
+def test_bad_names_are_rejected():
+    assert "DNS-1035" in validate("9lives", BASE).message
+    assert "DNS-1035" in validate("x" * 64, BASE).message
+
+
+def test_schema_rejects_what_pydantic_rejects_without_cel():
+    validator = jsonschema.Draft4Validator(crd_schema()["properties"]["spec"])
+    for patch in ({"slo": {"ttftMs": 0}}, {"slo": {"attainmentTarget": 1.5}}, {"engine": {"policy": "lifo"}},
+                  {"resources": {"memory": "lots"}}, {"autoscaling": {"minReplicas": 0}}):  # fmt: skip
+        assert list(validator.iter_errors(merged(patch))), patch
+
+
+def _cel_rules(schema: dict, path: str = "spec"):
+    for rule in schema.get("x-kubernetes-validations", []):
+        yield path, rule
+    for name, sub in schema.get("properties", {}).items():
+        yield from _cel_rules(sub, f"{path}.{name}")
+
+
+def _at(obj: dict, path: str):
+    for part in path.split(".")[1:]:
+        obj = obj.get(part, {}) if isinstance(obj, dict) else {}
+    return obj
+
+
+@pytest.mark.parametrize(("patch", "message"), [*INVALID[:2], *INVALID[4:7], ({}, None)])
+def test_cel_rules_agree_with_python(patch, message):
+    """Each CEL rule, evaluated on the defaulted object as the API server would, fails exactly
+    where the Python twin does (and with the same message)."""
+    raw = merged(patch)
+    try:
+        spec_dump = InferenceServiceSpec.model_validate(raw).dump()
+    except ValueError:
+        # Python rejects it; build the defaulted object without the rules to feed CEL.
+        spec_dump = _defaulted_without_rules(raw)
+    env = celpy.Environment()
+    failed = []
+    for path, rule in _cel_rules(crd_schema()["properties"]["spec"]):
+        target = _at(spec_dump, path)
+        if not target:
+            continue
+        program = env.program(env.compile(rule["rule"]))
+        if not program.evaluate({"self": celpy.json_to_cel(target)}):
+            failed.append(rule["message"])
+    if message is None:
+        assert failed == []
+    else:
+        assert any(message in m for m in failed), failed
+
+
+def _defaulted_without_rules(raw: dict) -> dict:
+    """Apply the schema defaults (as the API server does) to a spec that fails validation."""
+    defaults = InferenceServiceSpec.model_validate(BASE).dump()
+
+    def merge(base, over):
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
+        return over
+
+    return merge(defaults, raw)
+
+
+def test_cel_rules_exist_for_every_python_rule():
+    cel = {rule["message"] for _, rule in _cel_rules(crd_schema()["properties"]["spec"])}
+    assert len(cel) >= 5
+    assert build_crd()["spec"]["names"]["kind"] == names.KIND

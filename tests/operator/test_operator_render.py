@@ -1,0 +1,178 @@
+"""render(): snapshots and the rules it must follow; rendered manifests pass kubernetes-validate."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from superinfer.engine import contract
+from superinfer.operator import names
+from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.render import Context, engine_args, merge_overrides, model_argument, render
+
+ROOT = Path(__file__).resolve().parents[2]
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE = os.environ.get("SUPERINFER_UPDATE_SNAPSHOTS") == "1"
+
+
+def example(name: str) -> tuple[str, InferenceServiceSpec]:
+    doc = yaml.safe_load((ROOT / "examples" / name).read_text())
+    return doc["metadata"]["name"], InferenceServiceSpec.model_validate(doc["spec"])
+
+
+def by_kind(children: list[dict]) -> dict[str, dict]:
+    return {c["kind"]: c for c in children}
+
+
+def engine(children: list[dict]) -> dict:
+    return by_kind(children)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "llama3-8b-gh200.yaml"])
+def test_snapshot(name):
+    svc, spec = example(name)
+    children = render(Context(svc, "prod", "registry.example/superinfer:1.2.3", podmonitor_api=True), spec)
+    text = yaml.safe_dump_all(children, sort_keys=True)
+    snap = SNAPSHOTS / name
+    if UPDATE or not snap.exists():
+        snap.parent.mkdir(exist_ok=True)
+        snap.write_text(text)
+    assert text == snap.read_text(), f"render changed; review and update with SUPERINFER_UPDATE_SNAPSHOTS=1 ({snap})"
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "llama3-8b-gh200.yaml"])
+def test_rendered_manifests_validate(name):
+    svc, spec = example(name)
+    children = render(Context(svc, "prod", podmonitor_api=True), spec)
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget", "PodMonitor"]
+    for child in children[:3]:
+        kubernetes_validate.validate(child, "1.33", strict=True)
+    monitor = children[3]["spec"]
+    assert monitor["selector"]["matchLabels"] == names.selector_labels(svc)
+    assert monitor["podMetricsEndpoints"][0]["path"] == contract.METRICS_PATH
+    assert children[3]["metadata"]["labels"].items() >= spec.monitoring.labels.items()
+
+
+def test_gh200_implies_arm64_gpu_product_and_toleration():
+    _, spec = example("llama3-8b-gh200.yaml")
+    pod = by_kind(render(Context("l", "ns"), spec))["Deployment"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {names.ARCH_LABEL: "arm64", names.GPU_PRODUCT_LABEL: "NVIDIA-GH200-480GB"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    res = pod["containers"][0]["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
+    # Another product implies nothing about the architecture; an explicit arch wins.
+    other = spec.model_copy(update={"scheduling": spec.scheduling.model_copy(update={"gpu_product": "NVIDIA-H100"})})
+    assert (
+        names.ARCH_LABEL
+        not in by_kind(render(Context("l", "ns"), other))["Deployment"]["spec"]["template"]["spec"]["nodeSelector"]
+    )
+
+
+def test_cpu_service_requests_no_gpu_and_tolerates_nothing():
+    _, spec = example("tiny-cpu.yaml")
+    pod = by_kind(render(Context("t", "ns"), spec))["Deployment"]["spec"]["template"]["spec"]
+    assert "tolerations" not in pod and "nodeSelector" not in pod
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["requests"]
+    assert pod["containers"][0]["args"][pod["containers"][0]["args"].index("--device") + 1] == "cpu"
+
+
+@pytest.mark.parametrize(("pre_stop", "shutdown"), [(15, 45), (0, 10), (30, 300)])
+def test_grace_period_is_prestop_plus_shutdown_plus_5(pre_stop, shutdown):
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"uri": "preset://tiny"}, "drain": {"preStopSeconds": pre_stop, "shutdownTimeoutSeconds": shutdown}}
+    )
+    dep = by_kind(render(Context("t", "ns"), spec))["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == pre_stop + shutdown + 5
+    assert pod["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": pre_stop}}
+
+
+def test_probes_and_security():
+    _, spec = example("tiny-cpu.yaml")
+    pod = by_kind(render(Context("t", "ns"), spec))["Deployment"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["startupProbe"]["httpGet"]["path"] == contract.HEALTH_PATH
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1800  # 30 min to load
+    assert c["readinessProbe"]["httpGet"]["path"] == contract.READY_PATH
+    assert c["livenessProbe"]["httpGet"]["path"] == contract.HEALTH_PATH
+    assert c["ports"][0]["containerPort"] == contract.DEFAULT_PORT
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["automountServiceAccountToken"] is False
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # writable scratch on a read-only root
+
+
+def test_engine_flags_follow_the_contract():
+    _, spec = example("llama3-8b-gh200.yaml")
+    args = engine_args(Context("llama3-8b", "ns"), spec)
+    flags = [a for a in args if a.startswith("--")]
+    assert set(flags) <= set(contract.SERVE_FLAGS)
+    value = {flag: args[i + 1] for i, flag in enumerate(args) if flag.startswith("--")}
+    assert value["--model"] == "hf://meta-llama/Llama-3.1-8B-Instruct"
+    assert value["--served-model-name"] == "llama3-8b"
+    assert value["--port"] == str(contract.DEFAULT_PORT)
+    assert value["--cpu-kv-gib"] == "64"
+    assert (value["--ttft-slo-ms"], value["--tbt-slo-ms"]) == ("5000", "100")
+    assert value["--transfer-budget-blocks"] == "2400"
+
+
+@pytest.mark.parametrize(
+    ("uri", "arg"),
+    [("preset://tiny", "tiny"), ("dummy://llama-3-8b", "llama-3-8b"), ("pvc://models/llama/8b", "/models/llama/8b"),
+     ("hf://org/model", "hf://org/model"), ("s3://bucket/m", "s3://bucket/m")],
+)  # fmt: skip
+def test_model_argument(uri, arg):
+    assert model_argument(uri) == arg
+
+
+def test_pvc_model_mounts_the_claim_read_only():
+    spec = InferenceServiceSpec.model_validate({"model": {"uri": "pvc://weights/llama"}})
+    pod = by_kind(render(Context("t", "ns"), spec))["Deployment"]["spec"]["template"]["spec"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights"}} in pod["volumes"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models")
+    assert mount["readOnly"] is True
+
+
+def test_template_overrides_merge_last_by_name():
+    spec = InferenceServiceSpec.model_validate(
+        {
+            "model": {"uri": "preset://tiny"},
+            "template": {
+                "hostIPC": True,
+                "containers": [{"name": "engine", "env": [{"name": "HOME", "value": "/work"}, {"name": "X", "value": "1"}]},
+                               {"name": "sidecar", "image": "busybox"}],
+            },
+        }
+    )  # fmt: skip
+    pod = by_kind(render(Context("t", "ns"), spec))["Deployment"]["spec"]["template"]["spec"]
+    assert pod["hostIPC"] is True
+    assert [c["name"] for c in pod["containers"]] == ["engine", "sidecar"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["HOME"] == "/work" and env["X"] == "1" and "HF_HOME" in env
+    assert pod["containers"][0]["args"][0] == "--model"  # untouched fields stay
+
+
+def test_merge_overrides_is_pure():
+    base = {"a": [{"name": "x", "v": 1}], "b": {"c": 1}}
+    merge_overrides(base, {"a": [{"name": "x", "v": 2}], "b": {"d": 2}})
+    assert base == {"a": [{"name": "x", "v": 1}], "b": {"c": 1}}
+
+
+def test_replicas_and_podmonitor_toggles():
+    spec = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "monitoring": {"podMonitor": False}})
+    assert [c["kind"] for c in render(Context("t", "ns", podmonitor_api=True), spec)] == [
+        "Deployment", "Service", "PodDisruptionBudget",
+    ]  # fmt: skip
+    auto = InferenceServiceSpec.model_validate(
+        {"model": {"uri": "preset://tiny"}, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}
+    )
+    assert by_kind(render(Context("t", "ns"), auto))["Deployment"]["spec"]["replicas"] == 2
