@@ -143,16 +143,11 @@ def test_pvc_model_mounts_the_claim_read_only():
 
 
 def test_template_overrides_merge_last_by_name():
+    env = [{"name": "HOME", "value": "/work"}, {"name": "X", "value": "1"}]
+    containers = [{"name": "engine", "env": env}, {"name": "sidecar", "image": "busybox"}]
     spec = InferenceServiceSpec.model_validate(
-        {
-            "model": {"uri": "preset://tiny"},
-            "template": {
-                "hostIPC": True,
-                "containers": [{"name": "engine", "env": [{"name": "HOME", "value": "/work"}, {"name": "X", "value": "1"}]},
-                               {"name": "sidecar", "image": "busybox"}],
-            },
-        }
-    )  # fmt: skip
+        {"model": {"uri": "preset://tiny"}, "template": {"hostIPC": True, "containers": containers}}
+    )
     pod = by_kind(render(Context("t", "ns"), spec))["Deployment"]["spec"]["template"]["spec"]
     assert pod["hostIPC"] is True
     assert [c["name"] for c in pod["containers"]] == ["engine", "sidecar"]
