@@ -25,12 +25,14 @@ class Line:
 DEFAULT_PRIOR = Line(a=0.012, b=0.00015)
 
 
-def fit_line(points: Iterable[tuple[float, float]], prior: Line, prior_weight: float = 3.0) -> Line:
-    """Least squares of y = a + b·x with `prior_weight` pseudo-observations of the prior at x=0, 1.
-
-    With few or collinear points the prior dominates; with many, the data does.
+def fit_line(points: Iterable[tuple[float, float]], prior: Line, prior_weight: int = 1) -> Line:
+    """Least squares of y = a + b·x, with `prior_weight` pseudo-observations on the prior line at
+    each end of the observed batch range (at 0 and 1 without data): with few or collinear points the
+    prior dominates; with many, the data does.
     """
-    pts = list(points) + [(0.0, prior.a)] * int(prior_weight) + [(1.0, prior.at(1.0))] * int(prior_weight)
+    data = list(points)
+    ends = (min(x for x, _ in data), max(x for x, _ in data)) if data else (0.0, 1.0)
+    pts = data + [(x, prior.at(x)) for x in ends for _ in range(prior_weight)]
     n = len(pts)
     mx = sum(x for x, _ in pts) / n
     my = sum(y for _, y in pts) / n

@@ -1,0 +1,267 @@
+"""decide() on scripted metric windows, the latency model, and /metrics parsing and windowing."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+
+from superinfer.engine.contract import metric
+from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.autoscaler import Memory, Observation, Params, decide, scale_up_target
+from superinfer.operator.latency import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
+from superinfer.operator.scrape import Window, WindowStats, histogram_quantile, parse
+
+SPEC = InferenceServiceSpec.model_validate(
+    {
+        "model": {"uri": "preset://tiny"},
+        "engine": {"maxNumSeqs": 64},
+        "slo": {"ttftMs": 1000, "tbtMs": 100, "attainmentTarget": 0.9},
+        "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 6, "initialDelaySeconds": 60,
+                        "minRequests": 20, "scaleUp": {"cooldownSeconds": 30},
+                        "scaleDown": {"stabilizationSeconds": 300, "sensitivity": 0.8}},
+    }
+)  # fmt: skip
+P = Params.from_spec(SPEC)
+T0 = 1000.0
+WARM = Memory(started_at=T0 - 3600)
+
+
+def stats(**kw) -> WindowStats:
+    base = dict(pods=1, span_seconds=120, requests=200, attainment=0.99, ttft_attainment=0.99, ttft_p90_ms=300,
+                tbt_p90_ms=40, tbt_mean_ms=35, running=8, waiting=0, rotary=0, kv_gpu=0.5, kv_cpu=0.0,
+                swap_gbps=0.0)  # fmt: skip
+    base.update(kw)
+    return WindowStats(**base)
+
+
+def obs(replicas: int = 2, now: float = T0, pending: int = 0, unschedulable: int = 0, **kw) -> Observation:
+    s = kw.pop("s") if "s" in kw else stats(pods=replicas, **kw)
+    return Observation(now=now, replicas=replicas, ready=replicas - pending, pending=pending,
+                       unschedulable=unschedulable, stats=s)  # fmt: skip
+
+
+def test_burst_scales_up_proportionally_capped_at_double():
+    d = decide(obs(2, attainment=0.5), P, WARM)
+    assert (d.action, d.target, d.reason, d.apply) == ("ScaleUp", 4, "SLODistress", True)
+    assert "attainment 0.50 < 0.90" in d.message
+    assert d.memory.last_scale_at == T0
+    # Ratio 0.9/0.2 = 4.5 would want 9 from 2; the step is capped at 2x.
+    assert decide(obs(2, attainment=0.2), P, WARM).target == 4
+    # And at maxReplicas.
+    assert decide(obs(4, attainment=0.2), P, WARM).target == 6
+
+
+def test_scale_up_step_percent_and_minimum_of_one():
+    half = replace(P, max_step_percent=50)
+    assert scale_up_target(4, 3.0, half) == 6
+    assert scale_up_target(1, 1.01, P) == 2  # always at least one more
+    assert scale_up_target(1, 1.01, half) == 2
+
+
+def test_queue_saturation_scales_up_before_any_request_finishes():
+    # Nothing finished yet (TTFT so long), but requests pile up: that is distress too.
+    d = decide(obs(1, requests=0, attainment=None, ttft_p90_ms=None, running=16, waiting=40), P, WARM)
+    assert d.action == "ScaleUp" and d.target == 2
+    assert "queued" in d.message
+
+
+def test_latency_quantiles_over_slo_count_as_distress():
+    d = decide(obs(2, attainment=0.95, tbt_p90_ms=180), P, WARM)
+    assert d.action == "ScaleUp" and "p90 TBT 180ms > 100ms" in d.message
+    d = decide(obs(2, attainment=0.95, ttft_p90_ms=2500), P, WARM)
+    assert d.action == "ScaleUp" and d.target == 4  # 2.5x over, capped at 2x
+
+
+def test_high_gpu_kv_usage_alone_is_not_distress_under_rotation():
+    d = decide(obs(2, kv_gpu=0.99, kv_cpu=0.3, rotary=12), P, WARM)
+    assert d.action == "Hold"
+    d = decide(obs(2, kv_gpu=0.99, kv_cpu=0.99, waiting=3), P, WARM)
+    assert d.action == "ScaleUp" and "KV tiers both full" in d.message
+
+
+def test_pending_pods_hold_and_never_stack():
+    d = decide(obs(4, pending=2, attainment=0.3), P, WARM)
+    assert (d.action, d.reason, d.target) == ("Hold", "PodsPending", 4)
+    assert d.scaling.status == "True"
+
+
+def test_no_capacity_stops_scale_up():
+    d = decide(obs(4, pending=2, unschedulable=2, attainment=0.3), P, WARM)
+    assert (d.action, d.reason) == ("Hold", "InsufficientCapacity")
+    assert (d.scaling.status, d.scaling.reason) == ("False", "InsufficientCapacity")
+
+
+def test_stale_or_missing_metrics_hold():
+    d = decide(obs(2, s=None), P, WARM)
+    assert (d.action, d.reason) == ("Hold", "MetricsStale")
+    assert (d.metrics.status, d.slo.status) == ("False", "Unknown")
+    stale = replace(obs(2, attainment=0.1), fresh=False)
+    assert decide(stale, P, WARM).reason == "MetricsStale"  # even a bad-looking window is not trusted
+
+
+def test_initial_delay_and_too_few_requests():
+    young = Memory(started_at=T0 - 10)
+    assert decide(obs(2, attainment=0.1), P, young).reason == "InitialDelay"
+    d = decide(obs(2, requests=5, attainment=0.2), P, WARM)
+    assert (d.action, d.reason, d.slo.status) == ("Hold", "TooFewRequests", "Unknown")
+
+
+def test_cooldown_and_at_max():
+    recent = replace(WARM, last_scale_at=T0 - 10)
+    assert decide(obs(2, attainment=0.5), P, recent).reason == "Cooldown"
+    assert decide(obs(6, attainment=0.5), P, WARM).reason == "AtMaxReplicas"
+
+
+def test_bounds_are_enforced_immediately():
+    d = decide(obs(9), P, WARM)
+    assert (d.action, d.target, d.reason) == ("ScaleDown", 6, "Bounds")
+
+
+def test_advisory_mode_records_without_applying():
+    advisory = replace(P, advisory=True)
+    d = decide(obs(2, attainment=0.5), advisory, WARM)
+    assert (d.action, d.target, d.apply) == ("ScaleUp", 4, False)
+    assert d.memory.last_scale_at is None  # nothing was done, so no cooldown starts
+    assert d.scaling.reason == "Advisory"
+
+
+def test_slow_decline_removes_one_replica_after_stabilization():
+    mem = WARM
+    now = T0
+    actions = []
+    for _ in range(25):  # 25 ticks of 15 s: light, healthy load on 4 replicas
+        d = decide(obs(4, now=now, running=4), P, mem)
+        actions.append((d.action, d.reason))
+        mem, now = d.memory, now + 15
+    downs = [i for i, (a, _) in enumerate(actions) if a == "ScaleDown"]
+    assert downs == [20], actions  # exactly once, after 300 s of health; then it stabilizes again
+    assert actions[0] == ("Hold", "Stabilizing")
+
+
+def test_two_to_one_consolidation_check_prevents_flapping():
+    # 2 replicas each at batch 48 of 64: one replica would need batch 96 > capacity. Hold.
+    busy = obs(2, now=T0, running=96, tbt_mean_ms=60, tbt_p90_ms=70, ttft_p90_ms=400)
+    healthy_long = replace(WARM, healthy_since=T0 - 1000)
+    d = decide(busy, P, healthy_long)
+    assert (d.action, d.reason) == ("Hold", "ConsolidationUnsafe")
+    assert "with 1 replica(s)" in d.message
+    # Light load: one replica is predicted to cope, so it consolidates.
+    light = obs(2, now=T0, running=4, tbt_mean_ms=20, tbt_p90_ms=25, ttft_p90_ms=150)
+    d = decide(light, P, healthy_long)
+    assert (d.action, d.target) == ("ScaleDown", 1)
+
+
+def plant(replicas: int, load: float) -> WindowStats:
+    """A toy serving system: `load` concurrent sequences spread over replicas; TBT grows with batch."""
+    batch = load / replicas
+    tbt = DEFAULT_PRIOR.at(batch) * 4000  # ms, ~50 ms at batch 8 .. ~ 120 ms at batch 120
+    waiting = max(0.0, batch - 64) * replicas
+    over = tbt > 100 or waiting > 0
+    return stats(pods=replicas, running=min(batch, 64) * replicas, waiting=waiting, tbt_mean_ms=tbt * 0.9,
+                 tbt_p90_ms=tbt, attainment=0.6 if over else 0.98)  # fmt: skip
+
+
+@pytest.mark.parametrize("load", [40, 150, 300])
+def test_closed_loop_on_a_toy_plant_settles_without_flapping(load):
+    mem, n, now, model = WARM, 1, T0, LatencyModel()
+    history = []
+    for _ in range(200):
+        s = plant(n, load)
+        model.observe(s.running / n, s.tbt_mean_ms / 1000)
+        d = decide(Observation(now, n, n, 0, 0, s), P, mem, model)
+        mem, now = d.memory, now + 15
+        if d.apply:
+            n = d.target
+        history.append(n)
+    tail = history[-100:]
+    assert len(set(tail)) == 1, f"not settled: {tail}"
+    final = plant(tail[0], load)
+    assert final.attainment >= P.target  # the SLO holds where it settled
+    changes = sum(1 for a, b in itertools.pairwise(history) if a != b)
+    assert changes <= 4, history
+
+
+# ---- latency model ----------------------------------------------------------------------------
+
+
+def test_fit_line_recovers_a_line_and_respects_the_prior_when_data_is_thin():
+    truth = Line(0.02, 0.001)
+    points = [(x, truth.at(x)) for x in (4 + i * 116 / 64 for i in range(64))]  # a full model memory
+    fitted = fit_line(points, DEFAULT_PRIOR)
+    assert fitted.a == pytest.approx(0.02, abs=0.004) and fitted.b == pytest.approx(0.001, rel=0.1)
+    empty = fit_line([], DEFAULT_PRIOR)
+    assert (empty.a, empty.b) == pytest.approx((DEFAULT_PRIOR.a, DEFAULT_PRIOR.b))
+    assert fit_line([(10, 0.5)], DEFAULT_PRIOR).b >= 0
+
+
+def test_predictions():
+    model = LatencyModel()
+    for x in (8, 16, 32, 64):
+        model.observe(x, 0.01 + 0.001 * x)
+    assert model.predict_tbt(16, 32, 0.026) > 0.026
+    assert predict_ttft(0.2, 0.5, 0.99) == math.inf
+    assert predict_ttft(0.2, 0.5, 0.75) == pytest.approx(0.4)
+
+
+# ---- scraping and windows ---------------------------------------------------------------------
+
+
+def page(met: float, missed: float, ttft_le: dict[float, float], running: float = 3, model: str = "m") -> str:
+    lines = [
+        f"# TYPE {metric('slo_requests')}_total counter",
+        f'{metric("slo_requests")}_total{{model_name="{model}",ttft="met",tbt="met"}} {met}',
+        f'{metric("slo_requests")}_total{{model_name="{model}",ttft="missed",tbt="met"}} {missed}',
+        f"# TYPE {metric('time_to_first_token_seconds')} histogram",
+    ]
+    for le, count in ttft_le.items():
+        le_text = "+Inf" if math.isinf(le) else str(le)
+        lines.append(f'{metric("time_to_first_token_seconds")}_bucket{{model_name="{model}",le="{le_text}"}} {count}')
+    lines += [
+        f"# TYPE {metric('requests_running')} gauge",
+        f'{metric("requests_running")}{{model_name="{model}"}} {running}',
+        f"# TYPE {metric('kv_cache_usage_ratio')} gauge",
+        f'{metric("kv_cache_usage_ratio")}{{model_name="{model}",tier="gpu"}} 0.7',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_parse_reads_the_contract_names():
+    snap = parse(page(10, 2, {0.1: 4, 1.0: 12, math.inf: 12}), now=5.0)
+    assert snap.slo == {("met", "met"): 10, ("missed", "met"): 2}
+    assert snap.ttft_buckets[1.0] == 12 and snap.running == 3 and snap.kv_usage == {"gpu": 0.7}
+    assert parse(page(10, 2, {}), now=0, model_name="other").slo == {}
+
+
+def test_histogram_quantile_interpolates_like_prometheus():
+    buckets = {0.1: 50.0, 0.5: 90.0, 1.0: 100.0, math.inf: 100.0}
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1)
+    assert histogram_quantile(0.9, buckets) == pytest.approx(0.5)
+    assert histogram_quantile(0.95, buckets) == pytest.approx(0.75)
+    assert histogram_quantile(0.9, {}) is None
+
+
+def test_window_deltas_across_pods_with_a_counter_reset():
+    w = Window(seconds=60)
+    w.add("a", parse(page(100, 0, {1.0: 100, math.inf: 100}), now=0))
+    w.add("a", parse(page(160, 40, {1.0: 190, math.inf: 200}), now=30))
+    w.add("b", parse(page(500, 0, {1.0: 500, math.inf: 500}), now=0))
+    w.add("b", parse(page(9, 1, {1.0: 10, math.inf: 10}), now=30))  # restarted: counts from zero
+    s = w.stats(now=31, fresh_seconds=10)
+    assert s.pods == 2 and s.requests == 60 + 40 + 10
+    assert s.attainment == pytest.approx((60 + 9) / 110)
+    assert s.running == 6 and s.kv_gpu == pytest.approx(0.7)
+    assert s.ttft_p90_ms is not None and s.ttft_p90_ms > 0
+
+
+def test_window_drops_old_snapshots_and_stale_pods():
+    w = Window(seconds=60)
+    for t in range(0, 300, 15):
+        w.add("a", parse(page(t, 0, {}), now=t))
+    s = w.stats(now=290, fresh_seconds=30)
+    assert s.requests == 285 - 225  # only the last 60 s
+    assert w.stats(now=400, fresh_seconds=30) is None  # nothing fresh: the caller holds
+    w.forget_missing([])
+    assert w.series == {}
