@@ -24,7 +24,10 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     num_gpu_blocks: int | None = Field(None, ge=1, description="overrides the memory-based sizing")
-    cpu_kv_gib: float = Field(0.0, ge=0, description="host memory for the rotary tier")
+    cpu_kv_gib: float | None = Field(
+        None, ge=0, description="host memory for the CPU KV tier (default: 4 with rotary/watermark, else 0)"
+    )
+    num_cpu_blocks: int | None = Field(None, ge=0, description="overrides --cpu-kv-gib")
     kv_cache_gib_cpu_device: float = Field(
         1.0, gt=0, description="KV budget when the model itself runs on the CPU (no device memory to probe)"
     )
@@ -41,6 +44,9 @@ class EngineConfig(BaseModel):
     rotary_beta_f: float = Field(0.5, ge=0)
     rotary_beta_b: float = Field(0.0, ge=0)
     transfer_budget_blocks: int = Field(2400, ge=1)
+    max_waiting_requests: int | None = Field(
+        None, ge=1, description="queue bound: past it new requests get 503 with Retry-After"
+    )
 
     # Server
     host: str = "127.0.0.1"
@@ -49,6 +55,12 @@ class EngineConfig(BaseModel):
     metrics_compat: Literal["vllm"] | None = None
     max_request_bytes: int = Field(4 << 20, ge=1024)
     shutdown_timeout_s: float = Field(45.0, ge=0)
+
+    @property
+    def cpu_tier_gib(self) -> float:
+        if self.cpu_kv_gib is not None:
+            return self.cpu_kv_gib
+        return 4.0 if self.policy in ("rotary", "watermark") else 0.0
 
     @property
     def model_name(self) -> str:

@@ -21,7 +21,7 @@ import torch
 from superinfer.engine.attention import allocate_kv_cache
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.kv import KVCacheManager
-from superinfer.engine.core.policies import make_policy
+from superinfer.engine.core.policies import RotaryParams, make_policy
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
@@ -98,23 +98,35 @@ class EngineCore:
         bs = config.block_size
         block_bytes = mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
         num_blocks = num_kv_blocks(config, loaded, block_bytes, self.device)
-        kv_cache = allocate_kv_cache(num_blocks, mc.num_layers, bs, mc.num_kv_heads, mc.head_dim,
-                                     self.dtype, self.device)
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        num_cpu_blocks = config.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = int(config.cpu_tier_gib * (1 << 30)) // block_bytes
+        shape = (mc.num_layers, bs, mc.num_kv_heads, mc.head_dim)
+        kv_cache = allocate_kv_cache(num_blocks, *shape, self.dtype, self.device)
+        cpu_cache = None
+        if num_cpu_blocks:
+            cpu_cache = allocate_kv_cache(num_cpu_blocks, *shape, self.dtype, "cpu",
+                                          pin_memory=self.device.type == "cuda")
+        self.block_bytes = block_bytes
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_cpu_blocks)
+        rotary = RotaryParams(config.rotary_alpha, config.rotary_beta_f, config.rotary_beta_b,
+                              config.transfer_budget_blocks)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
-            self.kv, make_policy(config.policy), clock,
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.transfer_budget_blocks),
+            self.kv, make_policy(config.policy, rotary, num_blocks), clock,
         )
-        self.runner = ModelRunner(loaded.model, kv_cache, bs, scale=mc.head_dim**-0.5)
+        self.runner = ModelRunner(loaded.model, kv_cache, bs, scale=mc.head_dim**-0.5, cpu_cache=cpu_cache)
         self.default_slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
         self.metrics = EngineMetrics(
             config.model_name, self.default_slo, vllm_compat=config.metrics_compat == "vllm",
             info={"policy": config.policy, "device": str(self.device), "dtype": str(self.dtype).split(".")[-1],
-                  "block_size": str(bs), "num_gpu_blocks": str(num_blocks), "architecture": mc.architecture},
+                  "block_size": str(bs), "num_gpu_blocks": str(num_blocks), "num_cpu_blocks": str(num_cpu_blocks),
+                  "architecture": mc.architecture},
         )
         self._live: dict[str, _Live] = {}
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", config.model, self.device,
-                 self.dtype, num_blocks, bs)
+        log.info("engine ready: %s on %s (%s), policy %s, %d GPU + %d CPU KV blocks of %d tokens", config.model,
+                 self.device, self.dtype, config.policy, num_blocks, num_cpu_blocks, bs)
 
     # --- requests ----------------------------------------------------------------------------
     def validate(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
@@ -160,7 +172,7 @@ class EngineCore:
             live = self._live[req.request_id]
             gap = None if live.t_last is None else now - live.t_last
             live.t_last = now
-            live.stream.feed(req.output_token_ids[-1])
+            live.stream.feed(req.output_token_ids[-1], last=req.is_finished)
             if live.stream.stopped and not req.is_finished:
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
             self.metrics.on_token(req, gap)
@@ -176,11 +188,8 @@ class EngineCore:
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                 num_cached_tokens=req.num_cached_tokens,
             ))
-        s = self.scheduler
         self.metrics.on_step(
-            running=s.num_running, waiting=s.num_waiting, rotary=0, gpu_usage=self.kv.usage,
-            gpu_blocks={"used": self.kv.num_blocks - self.kv.num_free_blocks, "free": self.kv.num_free_blocks},
-            counters=s.counters,
+            self.scheduler, self.kv, result.copies, self.block_bytes,
             phase_seconds={"schedule": t1 - t0, "execute": t2 - t1, "update": time.perf_counter() - t2},
         )
         return outputs

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from superinfer.engine import contract as c
+from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.request import Request
-from superinfer.engine.core.scheduler import SchedulerCounters
+from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
 from superinfer.engine.slo import SLO, histogram_buckets
+
+if TYPE_CHECKING:
+    from superinfer.engine.duplex import CopyStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -74,24 +80,36 @@ class EngineMetrics:
             getattr(self.vllm[key].labels(self.model_name), method)(value)
 
     def on_step(
-        self, *, running: int, waiting: int, rotary: int, gpu_usage: float, gpu_blocks: dict[str, int],
-        counters: SchedulerCounters, phase_seconds: dict[str, float],
+        self, sched: Scheduler, kv: KVCacheManager, copies: CopyStats, block_bytes: int,
+        phase_seconds: dict[str, float],
     ) -> None:
-        self._g("requests_running").set(running)
-        self._g("requests_waiting").set(waiting)
-        self._g("requests_rotary").set(rotary)
-        self._g("kv_cache_usage_ratio", "gpu").set(gpu_usage)
-        for state, n in gpu_blocks.items():
-            self._g("kv_blocks", "gpu", state).set(n)
+        self._g("requests_running").set(sched.num_running)
+        self._g("requests_waiting").set(sched.num_waiting)
+        self._g("requests_rotary").set(sched.num_rotary)
+        for tier, pool in (("gpu", kv.pool), ("cpu", kv.cpu)):
+            if pool is None:
+                continue
+            self._g("kv_cache_usage_ratio", tier).set(pool.num_used / pool.num_blocks)
+            for state, n in (("used", pool.num_used), ("free", pool.num_free), ("quarantined", len(pool.held))):
+                self._g("kv_blocks", tier, state).set(n)
         for phase, seconds in phase_seconds.items():
             self.step.labels(self.model_name, phase).observe(seconds)
+        counters = sched.counters
         for mode, n in counters.preemptions.items():
             if n > self._seen.preemptions[mode]:
                 self._c("preemptions", mode).inc(n - self._seen.preemptions[mode])
                 self._seen.preemptions[mode] = n
-        self._compat("running", "set", running)
-        self._compat("waiting", "set", waiting)
-        self._compat("kv", "set", gpu_usage)
+        if counters.rotations > self._seen.rotations:
+            self._c("rotations").inc(counters.rotations - self._seen.rotations)
+            self._seen.rotations = counters.rotations
+        for direction, blocks, seconds in (("gpu_to_cpu", copies.blocks_out, copies.seconds_out),
+                                           ("cpu_to_gpu", copies.blocks_in, copies.seconds_in)):
+            if blocks:
+                self._c("kv_swap_bytes", direction).inc(blocks * block_bytes)
+                self.swap_seconds.labels(self.model_name, direction).observe(seconds)
+        self._compat("running", "set", sched.num_running)
+        self._compat("waiting", "set", sched.num_waiting)
+        self._compat("kv", "set", kv.usage)
 
     def on_token(self, req: Request, gap_s: float | None) -> None:
         """A request emitted a token; gap_s is the time since its previous token (None for the first)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from superinfer.engine.runner import TokenLogprob
+from superinfer.engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -30,16 +31,19 @@ class TextStream:
     so a consumer never sees part of a stop string. The stop string itself is not emitted.
     """
 
-    detokenizer: object | None  # IncrementalDetokenizer, or None for token-only models
+    detokenizer: IncrementalDetokenizer | None  # None for models without a tokenizer
     stop: tuple[str, ...]
     text: str = ""
     emitted: int = 0
     stopped: bool = field(default=False)
 
-    def feed(self, token_id: int) -> None:
+    def feed(self, token_id: int, last: bool = False) -> None:
+        """Add one token; `last` flushes a trailing incomplete character as the decoder would."""
         if self.detokenizer is None or self.stopped:
             return
         self.text += self.detokenizer.feed([token_id])
+        if last:
+            self.text += self.detokenizer.flush()
         for s in self.stop:
             # Only the newly added text and the held-back tail can contain a new match.
             at = self.text.find(s, max(0, self.emitted - len(s)))

@@ -13,6 +13,7 @@ import torch
 from superinfer.engine.attention import AttentionMetadata, PagedAttention
 from superinfer.engine.core.kv import cdiv
 from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.duplex import CopyStats, DuplexKV
 from superinfer.engine.sampling import sample
 
 
@@ -27,6 +28,7 @@ class TokenLogprob:
 class StepOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    copies: CopyStats = field(default_factory=CopyStats)
 
 
 @dataclass
@@ -66,9 +68,11 @@ def _gather_inputs(plan: StepPlan, block_size: int) -> _StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, scale: float) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, scale: float,
+                 cpu_cache: torch.Tensor | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.duplex = DuplexKV(kv_cache, cpu_cache)
         self.block_size = block_size
         self.scale = scale
         self.device = kv_cache.device
@@ -102,10 +106,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Run the plan's copies and model step; returns once both are complete."""
         for request_id in plan.released:
             self.generators.pop(request_id, None)
-        if not plan.seqs:
-            return StepOutput()
+        self.duplex.start(plan.swap_out, plan.swap_in)
+        out = self._forward(plan) if plan.seqs else StepOutput()
+        out.copies = self.duplex.finish()
+        return out
+
+    def _forward(self, plan: StepPlan) -> StepOutput:
         x = _gather_inputs(plan, self.block_size)
         attn = PagedAttention(self.kv_cache, self._metadata(x), self.scale)
         hidden = self.model(self._tensor(x.input_ids), self._tensor(x.positions), attn)

@@ -1,9 +1,19 @@
-"""KV block accounting: a block pool with reference counts and hash-chain prefix caching.
+"""KV block accounting: block pools with reference counts, prefix caching, and a CPU tier.
 
 Pure bookkeeping over block ids; the tensors live in the runner. A block's content is the KV of
 `block_size` consecutive tokens of a sequence across all layers (block-first layout), so a full
 block is identified by the hash of its tokens chained with the hash of the block before it.
 Freed blocks keep their hash and stay findable until they are handed out again (LRU eviction).
+
+Two tiers: the GPU pool holds the KV the model reads; the optional CPU pool holds copies. A full
+block never changes again, so it is copied to the CPU tier as soon as it fills (eager
+write-through); rotating a request out then only copies its partial tail, and rotating it back in
+reuses its blocks still cached on the GPU and copies in only the rest.
+
+Safety: a block released while a planned step may still read or write it (its compute or its
+copies) is quarantined with that step's id as a fence, and returns to the free list only when
+the engine reports the step complete. So no block is reused while in flight, and no block is both
+a copy source and a copy destination in one step.
 """
 
 from __future__ import annotations
@@ -26,7 +36,8 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    """Fixed set of block ids with reference counts, an LRU free list and a prefix-hash index."""
+    """Fixed set of block ids with reference counts, an LRU free list, a prefix-hash index and a
+    quarantine of released blocks that an unfinished step may still touch."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -36,10 +47,15 @@ class BlockPool:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
 
     @property
     def num_free(self) -> int:
         return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free) - len(self.held)
 
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks, evicting the least recently freed cached ones first."""
@@ -59,14 +75,25 @@ class BlockPool:
             del self.free[block]
         self.ref_cnt[block] += 1
 
-    def release(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero go to the free list's tail."""
+    def release(self, blocks: Iterable[int], fence: int | None = None) -> None:
+        """Drop one reference to each block. A block reaching zero goes to the free list's tail,
+        or, with a fence, into quarantine until `retire(fence)`."""
         for block in blocks:
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] < 0:
                 raise RuntimeError(f"block {block} released more often than it was taken")
             if self.ref_cnt[block] == 0:
-                self.free[block] = None
+                if fence is None:
+                    self.free[block] = None
+                else:
+                    self.held[block] = fence
+
+    def retire(self, completed_step: int) -> None:
+        """Steps up to `completed_step` are done: their quarantined blocks become free."""
+        done = [b for b, fence in self.held.items() if fence <= completed_step]
+        for block in done:
+            del self.held[block]
+            self.free[block] = None
 
     def register(self, block: int, h: bytes) -> None:
         """Make a full block findable by its prefix hash (the first block with a hash keeps it)."""
@@ -75,7 +102,8 @@ class BlockPool:
             self.cached.setdefault(h, block)
 
     def lookup(self, h: bytes) -> int | None:
-        return self.cached.get(h)
+        block = self.cached.get(h)
+        return None if block is None or block in self.held else block
 
     def _drop_hash(self, block: int) -> None:
         h = self.hash_of[block]
@@ -86,12 +114,16 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Per-request block tables over one pool (the GPU tier)."""
+    """Per-request block tables over the GPU pool, and copies in the optional CPU pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
         self.pool = BlockPool(num_blocks)
+        self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The newest submitted step that has not completed: plain releases wait for it.
+        self.in_flight: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -103,11 +135,27 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
+        return self.pool.num_used / self.pool.num_blocks
+
+    @property
+    def cpu_usage(self) -> float:
+        return self.cpu.num_used / self.cpu.num_blocks if self.cpu else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def submitted(self, step: int) -> None:
+        self.in_flight = step
+
+    def retire(self, completed_step: int) -> None:
+        """Every step up to `completed_step` has finished its compute and its copies."""
+        if self.in_flight is not None and completed_step >= self.in_flight:
+            self.in_flight = None
+        self.pool.retire(completed_step)
+        if self.cpu:
+            self.cpu.retire(completed_step)
+
+    # --- the GPU tier --------------------------------------------------------------------
     def update_hashes(self, req: Request) -> list[bytes]:
         """Extend the request's prefix hashes to every full block of its known tokens."""
         bs = self.block_size
@@ -149,6 +197,14 @@ class KVCacheManager:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def growth_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """GPU blocks a running request needs to compute `num_new_tokens` more tokens."""
+        return max(0, self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids))
+
+    def owned_blocks(self, req: Request) -> int:
+        """GPU blocks that freeing the request would really free (shared prefix blocks stay)."""
+        return sum(1 for b in req.block_ids if self.pool.ref_cnt[b] == 1)
+
     def commit_full_blocks(self, req: Request, num_computed_before: int) -> None:
         """Register the blocks that this step filled with computed tokens in the prefix cache."""
         if not self.enable_prefix_caching:
@@ -160,6 +216,113 @@ class KVCacheManager:
             self.pool.register(req.block_ids[i], hashes[i])
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first so shared prefixes are evicted last."""
-        self.pool.release(reversed(req.block_ids))
+        """Release the request's blocks in both tiers, tail first so shared prefixes go last.
+
+        Blocks a submitted step may still touch stay quarantined until it completes.
+        """
+        self.pool.release(reversed(req.block_ids), self.in_flight)
         req.block_ids = []
+        if self.cpu:
+            self.cpu.release(reversed(req.cpu_block_ids), self.in_flight)
+            if req.cpu_tail is not None:
+                self.cpu.release([req.cpu_tail], self.in_flight)
+        req.cpu_block_ids = []
+        req.cpu_tail = None
+
+    # --- the CPU tier ------------------------------------------------------------------------
+    def write_through(self, req: Request, budget: int, complete_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Copy up to `budget` of the request's newly full GPU blocks to the CPU tier.
+
+        Only blocks full within the first `complete_tokens` tokens (default: all computed ones)
+        are copied: KV the step being planned will write is not final yet. Returns (gpu block,
+        cpu block) copies. A block whose content the CPU tier already holds (same prefix hash)
+        is shared, not copied.
+        """
+        copies: list[tuple[int, int]] = []
+        if self.cpu is None:
+            return copies
+        hashes = self.update_hashes(req)
+        done = req.num_computed_tokens if complete_tokens is None else complete_tokens
+        full = min(done // self.block_size, len(req.block_ids))
+        for i in range(len(req.cpu_block_ids), full):
+            known = self.cpu.lookup(hashes[i])
+            if known is not None:
+                self.cpu.touch(known)
+                req.cpu_block_ids.append(known)
+                continue
+            if len(copies) >= budget or self.cpu.num_free == 0:
+                break
+            (block,) = self.cpu.allocate(1)
+            self.cpu.register(block, hashes[i])
+            req.cpu_block_ids.append(block)
+            copies.append((req.block_ids[i], block))
+        return copies
+
+    def swap_out_cost(self, req: Request) -> int:
+        """Blocks to copy to rotate the request out: full blocks not yet written through, plus
+        the partial tail."""
+        full = req.num_computed_tokens // self.block_size
+        tail = 1 if req.num_computed_tokens % self.block_size else 0
+        return full - len(req.cpu_block_ids) + tail
+
+    def swap_out(self, req: Request, step: int) -> list[tuple[int, int]] | None:
+        """Move the request's KV to the CPU tier: copies (gpu, cpu), or None if it does not fit.
+
+        Its GPU blocks are released into quarantine until `step`, whose copies read them, is
+        done; full ones keep their prefix hash so the request can find them again.
+        """
+        if self.cpu is None or self.swap_out_cost(req) > self.cpu.num_free:
+            return None
+        copies = self.write_through(req, budget=len(req.block_ids))
+        if req.num_computed_tokens % self.block_size:
+            (tail,) = self.cpu.allocate(1)
+            req.cpu_tail = tail
+            copies.append((req.block_ids[req.num_computed_tokens // self.block_size], tail))
+        self.pool.release(reversed(req.block_ids), step)
+        req.block_ids = []
+        return copies
+
+    def swap_in_need(self, req: Request, num_new_tokens: int) -> tuple[int, int]:
+        """(free GPU blocks taken, blocks copied) to bring a rotary request back and compute
+        `num_new_tokens`. Its own blocks still cached on the GPU are reused without a copy (they
+        take a free block only if they sit in the free list)."""
+        hashes = self.update_hashes(req)
+        taken = copies = 0
+        for i in range(len(req.cpu_block_ids)):
+            block = self.pool.lookup(hashes[i])
+            copies += block is None
+            taken += block is None or self.pool.ref_cnt[block] == 0
+        copies += req.cpu_tail is not None
+        taken += self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
+        return taken, copies
+
+    def swap_in(self, req: Request, num_new_tokens: int, step: int) -> list[tuple[int, int]] | None:
+        """Bring a rotary request's KV back: copies (cpu, gpu), or None if the GPU pool is short.
+
+        Its own full blocks still cached on the GPU are reused without a copy.
+        """
+        if self.swap_in_need(req, num_new_tokens)[0] > self.pool.num_free:
+            return None
+        copies: list[tuple[int, int]] = []
+        hashes = req.block_hashes
+        for i, cpu_block in enumerate(req.cpu_block_ids):
+            on_gpu = self.pool.lookup(hashes[i])
+            if on_gpu is not None:
+                self.pool.touch(on_gpu)
+                req.block_ids.append(on_gpu)
+                continue
+            (block,) = self.pool.allocate(1)
+            if self.enable_prefix_caching:
+                self.pool.register(block, hashes[i])
+            req.block_ids.append(block)
+            copies.append((cpu_block, block))
+        if req.cpu_tail is not None:
+            (block,) = self.pool.allocate(1)
+            req.block_ids.append(block)
+            copies.append((req.cpu_tail, block))
+            self.cpu.release([req.cpu_tail], step)  # this step's copy-in reads it
+            req.cpu_tail = None
+        growth = self.growth_blocks(req, num_new_tokens)
+        if growth:
+            req.block_ids.extend(self.pool.allocate(growth))
+        return copies

@@ -68,6 +68,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is (or, once the step runs, will be) in the cache
     block_ids: list[int] = field(default_factory=list)  # GPU block table
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
+    cpu_block_ids: list[int] = field(default_factory=list)  # CPU copies of its first full blocks
+    cpu_tail: int | None = None  # CPU copy of its partial last block while rotated out
+    num_rotations: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

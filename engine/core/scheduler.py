@@ -1,11 +1,15 @@
-"""One scheduling step: token budget, chunked prefill, preemption -> StepPlan.
+"""One scheduling step: token budget, chunked prefill, rotation, preemption -> StepPlan.
 
-vLLM v1 semantics: every step first serves the running requests (a decode token, or the next
-chunk of a prefill), then admits waiting requests in order while the token budget, the sequence
-limit and the free blocks allow. A prefill larger than the remaining budget is split into chunks
-across steps; decodes and prefill chunks share one step. When a running request cannot get a
-block, the policy picks a victim to preempt by recompute (blocks freed, tokens kept, prefilled
-again later), and no waiting request is admitted in that step.
+The policy decides which running decodes to rotate out and the admission order; this module
+carries it out with vLLM v1 mechanics. Every step:
+1. rotate out the policy's choices (GPU -> CPU copies; recompute if the CPU tier is full);
+2. serve running requests (a decode token, or the next chunk of a prefill); when one cannot get
+   a block, the policy picks a victim, rotated out or preempted by recompute (tokens kept);
+3. admit in the policy's order while the token budget, the sequence limit, the free blocks and the
+   transfer budget allow: rotary requests are copied back in and decode in the same step, waiting
+   ones prefill (in chunks when the budget is short). No admission in a step that preempted;
+4. with the transfer budget left, write newly full blocks through to the CPU tier.
+Blocks moved between tiers per step (out + in + write-through) never exceed the transfer budget.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import ScheduledSeq, StepPlan
-from superinfer.engine.core.policies import FCFSPolicy
+from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 
 
@@ -26,9 +30,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    transfer_budget_blocks: int = 2400
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+        if (self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2
+                or self.transfer_budget_blocks < 1):
             raise ValueError(f"invalid scheduler limits: {self}")
 
 
@@ -41,12 +47,27 @@ class SchedulerCounters:
     steps: int = 0
 
 
+@dataclass
+class _Step:
+    """What one schedule() call is building."""
+
+    id: int
+    now: float
+    budget: int
+    transfer_left: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False
+    start_pos: dict[str, int] = field(default_factory=dict)  # tokens with final KV before this step
+
+
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
-        policy: FCFSPolicy | None = None,
+        policy: Policy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -56,6 +77,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.rotary: list[Request] = []
         self.counters = SchedulerCounters()
         self._released: list[str] = []
         self._step_id = 0
@@ -85,16 +107,19 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
-        if req is None:
-            return None
-        if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        self._finish(req, FinishReason.ABORT)
+        if req is not None:
+            self._finish(req, FinishReason.ABORT)
         return req
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """End a live request from outside (e.g. a stop string matched in its text)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, reason)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     @property
     def num_running(self) -> int:
@@ -104,58 +129,101 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_rotary(self) -> int:
+        return len(self.rotary)
+
+    # --- what requests need --------------------------------------------------------------
+    def next_tokens(self, req: Request) -> int:
+        """Tokens the request would compute next step (a decode token, or its whole remaining prefill)."""
+        return req.num_tokens - req.num_computed_tokens
+
+    def block_need(self, req: Request) -> int:
+        """Free GPU blocks a non-running request takes to be admitted and finish its next step."""
+        if req.status is RequestStatus.ROTARY:
+            return self.kv.swap_in_need(req, self.next_tokens(req))[0]
+        cached = self.kv.cached_prefix(req)
+        cached_free = sum(1 for b in cached if self.kv.pool.ref_cnt[b] == 0)
+        return self.kv.blocks_for(req.num_tokens) - len(cached) + cached_free
+
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        now = self.clock()
-        budget = self.config.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
-        preempted = False
+        self._step_id += 1
+        step = _Step(self._step_id, self.clock(), self.config.max_num_batched_tokens,
+                     self.config.transfer_budget_blocks)
+        decision = self.policy.decide(self, step.now)
+        for req in decision.rotate_out:
+            if step.transfer_left < self.kv.swap_out_cost(req):
+                break
+            self._evict(req, step)
+        self._serve_running(step)
+        if not step.preempted:
+            self._admit(decision.admit, step)
+        if self.policy.uses_cpu_tier and self.kv.cpu is not None:
+            for req in self.running:
+                if step.transfer_left <= 0:
+                    break
+                done = step.start_pos.get(req.request_id, req.num_computed_tokens)
+                copies = self.kv.write_through(req, step.transfer_left, done)
+                step.swap_out += copies
+                step.transfer_left -= len(copies)
+        self.counters.steps += 1
+        self.kv.submitted(step.id)
+        released, self._released = self._released, []
+        return StepPlan(step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in,
+                        released=released)
 
+    def _serve_running(self, step: _Step) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self.next_tokens(req), step.budget)
             while not self.kv.allocate(req, n):
-                victim = self.policy.victim(self.running[i:])
-                self._preempt(victim)
-                preempted = True
+                victim = self.policy.victim(self.running[i:], step.now)
+                self._evict(victim, step)
+                step.preempted = True
                 if victim is req:
                     break
             else:
-                seqs.append(self._take(req, n))
-                budget -= n
+                self._take(req, n, step)
                 i += 1
 
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting[0]
-            cached = self.kv.cached_prefix(req)
-            num_cached = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate(req, n, cached):
-                break
-            self.waiting.popleft()
+    def _admit(self, order: list[Request], step: _Step) -> None:
+        for req in order:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if req.status is RequestStatus.ROTARY:
+                n = self.next_tokens(req)
+                blocks, copies = self.kv.swap_in_need(req, n)
+                if copies > self.config.transfer_budget_blocks:
+                    self.rotary.remove(req)  # it could never come back within a step's budget
+                    self._recompute(req)
+            if req.status is RequestStatus.ROTARY:
+                if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
+                    return
+                moved = self.kv.swap_in(req, n, step.id)
+                step.swap_in += moved
+                step.transfer_left -= len(moved)
+                self.rotary.remove(req)
+            else:
+                cached = self.kv.cached_prefix(req)
+                num_cached = len(cached) * self.kv.block_size
+                n = min(req.num_tokens - num_cached, step.budget)
+                if not self.kv.allocate(req, n, cached):
+                    return
+                self.waiting.remove(req)
+                req.num_computed_tokens = num_cached
+                if req.t_scheduled is None:
+                    req.t_scheduled = step.now
+                    req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_cached
-            req.t_run = now
-            if req.t_scheduled is None:
-                req.t_scheduled = now
-                req.num_cached_tokens = num_cached
+            req.t_run = step.now
             self.running.append(req)
-            seqs.append(self._take(req, n))
-            budget -= n
-
-        self._step_id += 1
-        self.counters.steps += 1
-        released, self._released = self._released, []
-        return StepPlan(step_id=self._step_id, seqs=seqs, released=released)
+            self._take(req, n, step)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's sampled tokens; returns the requests that got a token or finished."""
+        """The step has completed (compute and copies): apply its sampled tokens and retire its
+        quarantine. Returns the requests that got a token or finished."""
         now = self.clock()
         touched = []
         for seq in plan.seqs:
@@ -173,31 +241,45 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
             touched.append(req)
+        self.kv.retire(plan.step_id)
         return touched
 
-    def finish(self, request_id: str, reason: FinishReason) -> None:
-        """End a live request from outside (e.g. a stop string matched in its text)."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            if req.status is RequestStatus.WAITING:
-                self.waiting.remove(req)
-            self._finish(req, reason)
-
     # --- helpers ---------------------------------------------------------------------------
-    def _take(self, req: Request, n: int) -> ScheduledSeq:
+    def _take(self, req: Request, n: int, step: _Step) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += n
-        return ScheduledSeq(
+        step.budget -= n
+        step.start_pos[req.request_id] = start
+        step.seqs.append(ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids[start : start + n],
             start_pos=start,
             block_ids=list(req.block_ids),
             sample=req.num_computed_tokens == req.num_tokens,
             sampling=req.sampling,
-        )
+        ))
 
-    def _preempt(self, req: Request) -> None:
+    def _evict(self, req: Request, step: _Step) -> None:
+        """Take a running request off the GPU: rotate it to the CPU tier if the policy uses one
+        and it fits, else preempt it by recompute (its blocks freed, its tokens kept)."""
         self.running.remove(req)
+        copies = None
+        if self.policy.uses_cpu_tier and req.in_decode and step.transfer_left >= self.kv.swap_out_cost(req):
+            copies = self.kv.swap_out(req, step.id)
+        if copies is not None:
+            step.swap_out += copies
+            step.transfer_left -= len(copies)
+            req.status = RequestStatus.ROTARY
+            req.num_rotations += 1
+            self.counters.rotations += 1
+            self.counters.preemptions["swap"] += 1
+            self.rotary.append(req)
+            return
+        self._recompute(req)
+
+    def _recompute(self, req: Request) -> None:
+        """Drop the request's KV in both tiers; it waits at the front and is prefilled again
+        (its tokens are kept, and its blocks still cached on the GPU are found again)."""
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -208,6 +290,10 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.ROTARY:
+            self.rotary.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -1,0 +1,226 @@
+"""RotaSched and the CPU tier: token identity under rotation, safety invariants, policy rules."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.policies import RotaryParams, RotaryPolicy, WatermarkPolicy, virtual_lag_time
+from superinfer.engine.core.request import Request, RequestStatus, SamplingParams
+from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
+from superinfer.engine.slo import SLO
+from tests.test_core import make_request
+from tests.test_engine import engine, random_prompts, run
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def rotary_scheduler(num_blocks=16, num_cpu_blocks=64, budget=64, xfer=2400, max_seqs=16, policy=None, clock=None):
+    kv = KVCacheManager(num_blocks, BS, True, num_cpu_blocks)
+    return Scheduler(SchedulerConfig(max_seqs, budget, 256, xfer), kv,
+                     policy or RotaryPolicy(RotaryParams(transfer_budget_blocks=xfer)), clock or Clock())
+
+
+def step(s: Scheduler, token: int = 5):
+    plan = s.schedule()
+    s.update(plan, {q.request_id: token for q in plan.seqs if q.sample})
+    return plan
+
+
+# --- the engine: rotation never changes a token ----------------------------------------------
+PROMPTS = random_prompts(10, 2000, seed=9, lo=10, hi=50)
+SAMPLING = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def unpressured() -> dict[str, list[int]]:
+    """Greedy outputs with ample KV memory (batching itself is token-exact: see test_engine)."""
+    return run(engine("tiny", max_model_len=256), PROMPTS, SAMPLING)
+
+
+@pytest.mark.parametrize("policy", ["rotary", "watermark"])
+def test_greedy_outputs_identical_with_frequent_rotation(policy, unpressured):
+    # 20 blocks of 16 tokens cannot hold 10 requests of up to 80 tokens: rotation is constant.
+    rotating = engine("tiny", max_model_len=256, policy=policy, num_gpu_blocks=20, num_cpu_blocks=400,
+                      transfer_budget_blocks=16)
+    assert run(rotating, PROMPTS, SAMPLING) == unpressured
+    assert rotating.scheduler.counters.rotations > 5
+    kv = rotating.kv
+    assert kv.pool.num_free == kv.num_blocks and kv.cpu.num_free == kv.cpu.num_blocks
+
+
+def test_cpu_tier_full_falls_back_to_recompute(unpressured):
+    tight = engine("tiny", max_model_len=256, policy="rotary", num_gpu_blocks=20, num_cpu_blocks=3)
+    assert run(tight, PROMPTS, SAMPLING) == unpressured
+    assert tight.scheduler.counters.preemptions["recompute"] > 0
+    assert tight.kv.pool.num_free == tight.kv.num_blocks and tight.kv.cpu.num_free == 3
+
+
+# --- the rules of the policy on hand-made situations ----------------------------------------
+def test_virtual_lag_time():
+    p = RotaryParams(alpha=3, beta_f=0.5, beta_b=0)
+    req = Request("a", [1, 2, 3], SamplingParams(), arrival_time=10.0, slo=SLO(ttft_ms=2000, tbt_ms=100))
+    assert virtual_lag_time(req, 10.5, p) == 0.0  # waited less than beta_f * TTFT SLO
+    assert virtual_lag_time(req, 12.5, p) == pytest.approx(1.5)
+    req.status, req.t_last_token = RequestStatus.ROTARY, 20.0
+    assert virtual_lag_time(req, 20.2, p) == pytest.approx(0.6)  # alpha * 0.2
+    req.status, req.t_run = RequestStatus.RUNNING, 15.0
+    assert virtual_lag_time(req, 20.0, p) == pytest.approx(-5.0)
+
+
+def test_no_contention_is_plain_fcfs_and_rotates_nothing():
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=64, clock=clock)
+    for i in range(4):
+        clock.now = float(i)
+        s.add(make_request(f"r{i}", 6, max_tokens=4))
+    clock.now = 10.0
+    plan = step(s)
+    assert [q.request_id for q in plan.seqs] == ["r0", "r1", "r2", "r3"]
+    assert not plan.swap_out and s.counters.rotations == 0
+
+
+def test_contention_rotates_the_longest_running_decode_for_a_lagging_arrival():
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=6, clock=clock)
+    s.add(make_request("old", 7, max_tokens=12, first_token=0))
+    step(s)
+    clock.now = 1.0
+    s.add(make_request("mid", 7, max_tokens=12, first_token=1))
+    step(s)  # both running, 4 of 6 blocks used
+    clock.now = 2.0
+    s.add(make_request("new", 7, max_tokens=12, first_token=2))  # needs 2 blocks; only 2 are free
+    decision = s.policy.decide(s, clock.now)
+    assert [r.request_id for r in decision.admit] == ["new"]
+    assert [r.request_id for r in decision.rotate_out] == ["old"], "the longest-running decode yields first"
+    plan = step(s)
+    assert s.requests["old"].status is RequestStatus.ROTARY and plan.swap_out
+    clock.now = 2.1
+    step(s)
+    assert s.requests["new"].t_first_token is not None
+
+
+def test_only_decode_phase_requests_are_rotated():
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=8, budget=4, clock=clock)
+    s.add(make_request("prefilling", 30, max_tokens=2))  # 30-token prompt, 4 tokens a step
+    step(s)
+    clock.now = 5.0
+    s.add(make_request("waiting", 6, max_tokens=2))
+    step(s)
+    step(s)
+    assert s.counters.rotations == 0 and s.requests["prefilling"].status is RequestStatus.RUNNING
+
+
+def test_shared_prefix_blocks_are_not_counted_as_freed():
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=12, clock=clock)
+    s.add(make_request("a", 9, max_tokens=30))
+    step(s)
+    s.add(make_request("b", 9, max_tokens=30))  # same prompt: shares a's 2 full blocks
+    step(s)
+    a = s.requests["a"]
+    assert s.kv.owned_blocks(a) == len(a.block_ids) - 2
+
+
+def test_watermark_rotates_oldest_running_when_free_blocks_fall_under_it():
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=10, policy=WatermarkPolicy(3), clock=clock)
+    for i in range(3):
+        clock.now = float(i)
+        s.add(make_request(f"r{i}", 7, max_tokens=20, first_token=10 * i))
+        step(s)
+    assert s.counters.rotations == 0  # 6 blocks used, 4 free: above the watermark
+    for _ in range(3):  # each request grows into a third block
+        clock.now += 1.0
+        step(s)
+        if s.counters.rotations:
+            break
+    assert [r.request_id for r in s.rotary] == ["r0"], "the oldest running request is rotated first"
+
+
+# --- safety invariants over random workloads -------------------------------------------------
+def plan_blocks(plan) -> tuple[set[int], set[int]]:
+    gpu = {b for q in plan.seqs for b in q.block_ids} | {g for g, _ in plan.swap_out} | {g for _, g in plan.swap_in}
+    cpu = {c for _, c in plan.swap_out} | {c for c, _ in plan.swap_in}
+    return gpu, cpu
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 16), st.integers(0, 2)),
+        st.tuples(st.just("abort"), st.integers(0, 40), st.booleans()),
+        st.tuples(st.just("step"), st.floats(0.0, 0.5)),
+    ),
+    max_size=70,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=ops, num_blocks=st.integers(10, 30), cpu_blocks=st.integers(0, 40), xfer=st.integers(1, 12),
+       budget=st.integers(4, 40), policy=st.sampled_from(["rotary", "watermark"]))
+def test_two_tier_invariants_over_random_workloads(ops, num_blocks, cpu_blocks, xfer, budget, policy):
+    clock = Clock()
+    pol = RotaryPolicy(RotaryParams(transfer_budget_blocks=xfer)) if policy == "rotary" else WatermarkPolicy(3)
+    s = rotary_scheduler(num_blocks, cpu_blocks or 1, budget, xfer, max_seqs=8, policy=pol, clock=clock)
+    added: list[str] = []
+    ended: set[str] = set()
+    mid_flight_aborts: deque[tuple[int, bool]] = deque()
+
+    def one_step() -> None:
+        plan = s.schedule()
+        moved = len(plan.swap_out) + len(plan.swap_in)
+        assert moved <= xfer, "per-step moved blocks stay within the transfer budget"
+        assert not {g for g, _ in plan.swap_out} & {g for _, g in plan.swap_in}, "GPU block both source and dest"
+        assert not {c for _, c in plan.swap_out} & {c for c, _ in plan.swap_in}, "CPU block both dest and source"
+        gpu, cpu = plan_blocks(plan)
+        while mid_flight_aborts:  # aborts that arrive while the step is in flight
+            idx, _ = mid_flight_aborts.popleft()
+            req = s.abort(added[idx % len(added)])
+            if req is not None:
+                ended.add(req.request_id)
+        assert not gpu & set(s.kv.pool.free), "a block the in-flight step touches was freed for reuse"
+        assert not cpu & set(s.kv.cpu.free), "a CPU block the in-flight step touches was freed for reuse"
+        for req in s.update(plan, {q.request_id: 7 for q in plan.seqs if q.sample}):
+            if req.is_finished:
+                ended.add(req.request_id)
+        clock.now += 0.01
+
+    for op in ops:
+        if op[0] == "add":
+            rid = f"r{len(added)}"
+            try:
+                s.add(make_request(rid, op[1], max_tokens=op[2], first_token=op[3]))
+                added.append(rid)
+            except ValueError:
+                pass
+        elif op[0] == "abort" and added:
+            if op[2]:
+                mid_flight_aborts.append((op[1], True))
+            else:
+                req = s.abort(added[op[1] % len(added)])
+                if req is not None:
+                    ended.add(req.request_id)
+        elif op[0] == "step":
+            clock.now += op[1]
+            one_step()
+    mid_flight_aborts.clear()
+    for _ in range(3000):
+        if not s.has_work:
+            break
+        one_step()
+    assert not s.has_work, "nothing is stuck"
+    assert s.kv.pool.num_free == num_blocks and s.kv.cpu.num_free == s.kv.cpu.num_blocks, "no leak in either tier"
+    assert ended == set(added), "every request ends exactly once, none is lost"
