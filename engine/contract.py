@@ -50,6 +50,7 @@ SERVE_FLAGS = (
     "--port",
     "--api-key",
     "--metrics-compat",
+    "--shutdown-timeout-s",
 )
 
 # Environment variable read by `superinfer serve` when --api-key is not given.

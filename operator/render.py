@@ -79,6 +79,8 @@ def engine_args(ctx: Context, spec: InferenceServiceSpec) -> list[str]:
         str(engine.max_model_len),
         "--max-num-seqs",
         str(engine.max_num_seqs),
+        "--shutdown-timeout-s",
+        str(spec.drain.shutdown_timeout_seconds),
     ]
     if spec.resources.gpus > 0:
         args += ["--gpu-memory-utilization", _num(engine.gpu_memory_utilization)]
