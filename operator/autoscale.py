@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 
 import aiohttp
 import kopf
 
-from superinfer.operator import conditions, names, scrape
+from superinfer.operator import conditions, names, prom, scrape
 from superinfer.operator.api import InferenceServiceSpec
 from superinfer.operator.autoscaler import Decision, Observation, Params, decide
 from superinfer.operator.kube import PODS
@@ -118,8 +117,14 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
     pods = await state.kube.list(PODS, ns, names.selector_labels(name))
     ready = [p for p in pods if conditions.is_pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
     served = spec.served_model_name(name)
-    all_ok = await scrape_pods(ready, scaler, now, state.config.scrape_timeout, served, log)
-    stats = scaler.window.stats(now, fresh_seconds=params.interval_seconds * 2 + state.config.scrape_timeout)
+    if spec.autoscaling.prometheus_url:
+        async with aiohttp.ClientSession() as session:
+            stats = await prom.window(session, spec.autoscaling.prometheus_url, ns, served,
+                                      params.window_seconds, state.config.scrape_timeout)  # fmt: skip
+        all_ok = stats is not None
+    else:
+        all_ok = await scrape_pods(ready, scaler, now, state.config.scrape_timeout, served, log)
+        stats = scaler.window.stats(now, fresh_seconds=params.interval_seconds * 2 + state.config.scrape_timeout)
     if stats is not None and stats.running > 0 and stats.tbt_mean_ms:
         scaler.model.observe(stats.running / max(len(ready), 1), stats.tbt_mean_ms / 1000)
     obs = observation(spec, pods, stats, all_ok, now)
@@ -136,5 +141,5 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
         kopf.info(owner, reason=decision.action, message=f"{obs.replicas} → {decision.target}: {decision.message}")
     elif decision.action != "Hold":
         kopf.info(owner, reason="ScaleRecommended", message=f"Advisory: {decision.message}")
-    log.debug("autoscaler %s/%s: %s", ns, name, asdict(decision)["reason"])
+    log.debug("autoscaler %s/%s: %s %s", ns, name, decision.action, decision.reason)
     return decision

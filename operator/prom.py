@@ -1,0 +1,96 @@
+"""The autoscaler's window from a Prometheus server instead of scraping the pods.
+
+The same WindowStats as scrape.Window produces, from instant PromQL queries over the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from superinfer.engine.contract import metric
+from superinfer.operator.scrape import WindowStats
+
+
+def queries(namespace: str, model: str, window_seconds: float) -> dict[str, str]:
+    sel = f'namespace="{namespace}", model_name="{model}"'
+    w = f"{int(window_seconds)}s"
+
+    def quantile(hist: str) -> str:
+        return f"histogram_quantile(0.9, sum by (le) (rate({metric(hist)}_bucket{{{sel}}}[{w}])))"
+
+    tbt = metric("time_between_tokens_seconds")
+    return {
+        "slo": f"sum by (ttft, tbt) (increase({metric('slo_requests')}_total{{{sel}}}[{w}]))",
+        "ttft_p90": quantile("time_to_first_token_seconds"),
+        "tbt_p90": quantile("time_between_tokens_seconds"),
+        "tbt_mean": f"sum(rate({tbt}_sum{{{sel}}}[{w}])) / sum(rate({tbt}_count{{{sel}}}[{w}]))",
+        "pods": f"count({metric('requests_running')}{{{sel}}})",
+        "running": f"sum({metric('requests_running')}{{{sel}}})",
+        "waiting": f"sum({metric('requests_waiting')}{{{sel}}})",
+        "rotary": f"sum({metric('requests_rotary')}{{{sel}}})",
+        "kv": f"avg by (tier) ({metric('kv_cache_usage_ratio')}{{{sel}}})",
+        "swap": f"sum(rate({metric('kv_swap_bytes')}_total{{{sel}}}[{w}]))",
+    }
+
+
+def _scalar(result: list[Mapping[str, Any]]) -> float | None:
+    if not result:
+        return None
+    value = float(result[0]["value"][1])
+    return None if value != value else value  # NaN (e.g. 0/0) means no data
+
+
+def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: float) -> WindowStats | None:
+    """WindowStats from the vectors the queries returned; None when no pod reports."""
+    pods = _scalar(results.get("pods", []))
+    if not pods:
+        return None
+    slo = {(r["metric"].get("ttft", ""), r["metric"].get("tbt", "")): float(r["value"][1]) for r in results["slo"]}
+    total = sum(slo.values())
+    met_both = slo.get(("met", "met"), 0.0)
+    met_ttft = met_both + slo.get(("met", "missed"), 0.0)
+    kv = {r["metric"].get("tier", ""): float(r["value"][1]) for r in results.get("kv", [])}
+    ttft, tbt, tbt_mean = (_scalar(results.get(k, [])) for k in ("ttft_p90", "tbt_p90", "tbt_mean"))
+    return WindowStats(
+        pods=int(pods),
+        span_seconds=window_seconds,
+        requests=total,
+        attainment=met_both / total if total else None,
+        ttft_attainment=met_ttft / total if total else None,
+        ttft_p90_ms=ttft * 1000 if ttft is not None else None,
+        tbt_p90_ms=tbt * 1000 if tbt is not None else None,
+        tbt_mean_ms=tbt_mean * 1000 if tbt_mean is not None else None,
+        running=_scalar(results.get("running", [])) or 0.0,
+        waiting=_scalar(results.get("waiting", [])) or 0.0,
+        rotary=_scalar(results.get("rotary", [])) or 0.0,
+        kv_gpu=kv.get("gpu"),
+        kv_cpu=kv.get("cpu"),
+        swap_gbps=(_scalar(results.get("swap", [])) or 0.0) / 1e9,
+    )
+
+
+async def window(
+    session: aiohttp.ClientSession, url: str, namespace: str, model: str, window_seconds: float, timeout: float
+) -> WindowStats | None:
+    """Query Prometheus; None when it cannot be reached or has nothing for this service."""
+
+    async def one(expr: str) -> list[Mapping[str, Any]]:
+        async with session.get(
+            url.rstrip("/") + "/api/v1/query", params={"query": expr}, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            resp.raise_for_status()
+            body = await resp.json()
+        if body.get("status") != "success":
+            raise aiohttp.ClientError(body.get("error", "query failed"))
+        return body["data"]["result"]
+
+    exprs = queries(namespace, model, window_seconds)
+    try:
+        values = await asyncio.gather(*(one(e) for e in exprs.values()))
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return build_stats(dict(zip(exprs, values, strict=True)), window_seconds)

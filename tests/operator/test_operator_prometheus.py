@@ -1,0 +1,76 @@
+"""The autoscaler's Prometheus source, against a small Prometheus HTTP API stand-in."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from superinfer.operator import prom
+from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.autoscaler import Memory, Observation, Params, decide
+
+
+def vector(value: float, **labels: str) -> dict:
+    return {"metric": labels, "value": [0, str(value)]}
+
+
+ANSWERS = {
+    "sum by (ttft, tbt) (increase(": [vector(60, ttft="met", tbt="met"), vector(40, ttft="missed", tbt="met")],
+    "histogram_quantile(0.9, sum by (le) (rate(superinfer_engine_time_to_first": [vector(2.5)],
+    "histogram_quantile(0.9, sum by (le) (rate(superinfer_engine_time_between": [vector(0.04)],
+    "sum(rate(superinfer_engine_time_between_tokens_seconds_sum": [vector("NaN")],
+    "count(": [vector(2)],
+    "sum(superinfer_engine_requests_running": [vector(30)],
+    "sum(superinfer_engine_requests_waiting": [vector(12)],
+    "sum(superinfer_engine_requests_rotary": [],
+    "avg by (tier)": [vector(0.9, tier="gpu"), vector(0.2, tier="cpu")],
+    "sum(rate(superinfer_engine_kv_swap": [vector(3e9)],
+}
+
+
+QUERIES = web.AppKey("queries", list)
+
+
+async def fake_prometheus(request: web.Request) -> web.Response:
+    query = request.query["query"]
+    assert ('namespace="prod", model_name="llama"' in query and "[120s]" in query) or "[" not in query
+    request.app[QUERIES].append(query)
+    result = next((v for k, v in ANSWERS.items() if query.startswith(k)), None)
+    if result is None:
+        return web.json_response({"status": "error", "error": f"unexpected query {query}"}, status=400)
+    return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+async def serve() -> tuple[web.AppRunner, str, list[str]]:
+    app = web.Application()
+    app[QUERIES] = []
+    app.router.add_get("/api/v1/query", fake_prometheus)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}", app[QUERIES]
+
+
+async def test_window_from_prometheus_feeds_decide():
+    runner, url, queries = await serve()
+    try:
+        async with aiohttp.ClientSession() as session:
+            stats = await prom.window(session, url, "prod", "llama", 120, timeout=5)
+    finally:
+        await runner.cleanup()
+    assert len(queries) == len(prom.queries("prod", "llama", 120))
+    assert stats is not None and stats.pods == 2 and stats.requests == 100
+    assert stats.attainment == 0.6 and stats.ttft_p90_ms == 2500 and stats.tbt_p90_ms == 40
+    assert stats.tbt_mean_ms is None  # NaN from 0/0 is "no data"
+    assert (stats.kv_gpu, stats.kv_cpu, stats.swap_gbps, stats.rotary) == (0.9, 0.2, 3.0, 0.0)
+    spec = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "autoscaling": {"enabled": True}})
+    decision = decide(Observation(1000, 2, 2, 0, 0, stats), Params.from_spec(spec), Memory(started_at=0))
+    assert decision.action == "ScaleUp" and decision.target == 4
+
+
+async def test_unreachable_prometheus_means_no_window():
+    async with aiohttp.ClientSession() as session:
+        assert await prom.window(session, "http://127.0.0.1:9", "prod", "llama", 120, timeout=1) is None
+    assert prom.build_stats({"pods": []}, 120) is None
