@@ -129,6 +129,7 @@ async def running(kmock: Any, operator_config: dict[str, Any]) -> AsyncIterator[
     settings.watching.server_timeout = 10
     settings.networking.request_timeout = 10
     settings.batching.exit_timeout = 0.1
+    settings.background.instant_exit_timeout = 0.5
     # kmock answers a failed JSON-patch test (a stale resourceVersion) with 500, which Kopf retries
     # with backoff; a real API server answers 422 and Kopf moves on to the next event at once.
     settings.networking.error_backoffs = [0.05, 0.1, 0.2]
