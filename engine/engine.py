@@ -27,7 +27,8 @@ from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
 from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.output import RequestOutput, TextStream
-from superinfer.engine.runner import ModelRunner
+from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.runner import ModelRunner, StepOutput
 from superinfer.engine.slo import SLO
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -117,6 +118,10 @@ class EngineCore:
             self.kv, make_policy(config.policy, rotary, num_blocks), clock,
         )
         self.runner = ModelRunner(loaded.model, kv_cache, bs, scale=mc.head_dim**-0.5, cpu_cache=cpu_cache)
+        if num_cpu_blocks and config.transfer_budget_blocks < self.kv.blocks_for(self.max_model_len):
+            log.warning("--transfer-budget-blocks %d is smaller than one full-length request (%d blocks): "
+                        "such requests come back from the CPU tier by recompute", config.transfer_budget_blocks,
+                        self.kv.blocks_for(self.max_model_len))
         self.default_slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
         self.metrics = EngineMetrics(
             config.model_name, self.default_slo, vllm_compat=config.metrics_compat == "vllm",
@@ -164,6 +169,10 @@ class EngineCore:
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         result = self.runner.execute(plan)
+        return self.complete(plan, result, {"schedule": t1 - t0, "execute": time.perf_counter() - t1})
+
+    def complete(self, plan: StepPlan, result: StepOutput, phase_seconds: dict[str, float]) -> list[RequestOutput]:
+        """Apply an executed step: new tokens, stop strings, finished requests, metrics."""
         t2 = time.perf_counter()
         touched = self.scheduler.update(plan, result.sampled)
         now = self.clock()
@@ -190,7 +199,7 @@ class EngineCore:
             ))
         self.metrics.on_step(
             self.scheduler, self.kv, result.copies, self.block_bytes,
-            phase_seconds={"schedule": t1 - t0, "execute": t2 - t1, "update": time.perf_counter() - t2},
+            phase_seconds={**phase_seconds, "update": time.perf_counter() - t2},
         )
         return outputs
 

@@ -13,7 +13,8 @@ reuses its blocks still cached on the GPU and copies in only the rest.
 Safety: a block released while a planned step may still read or write it (its compute or its
 copies) is quarantined with that step's id as a fence, and returns to the free list only when
 the engine reports the step complete. So no block is reused while in flight, and no block is both
-a copy source and a copy destination in one step.
+a copy source and a copy destination in one step. Blocks nothing in flight touches (clean blocks
+of a rotated-out request, all blocks of a preempted one) are free at once.
 """
 
 from __future__ import annotations
@@ -268,8 +269,9 @@ class KVCacheManager:
     def swap_out(self, req: Request, step: int) -> list[tuple[int, int]] | None:
         """Move the request's KV to the CPU tier: copies (gpu, cpu), or None if it does not fit.
 
-        Its GPU blocks are released into quarantine until `step`, whose copies read them, is
-        done; full ones keep their prefix hash so the request can find them again.
+        Blocks this step copies out are quarantined until `step` is done; blocks already written
+        through are clean and free at once (no copy reads them). Full blocks keep their prefix
+        hash, so the request can find them again on its way back.
         """
         if self.cpu is None or self.swap_out_cost(req) > self.cpu.num_free:
             return None
@@ -278,7 +280,9 @@ class KVCacheManager:
             (tail,) = self.cpu.allocate(1)
             req.cpu_tail = tail
             copies.append((req.block_ids[req.num_computed_tokens // self.block_size], tail))
-        self.pool.release(reversed(req.block_ids), step)
+        sources = {g for g, _ in copies}
+        self.pool.release([b for b in reversed(req.block_ids) if b in sources], step)
+        self.pool.release([b for b in reversed(req.block_ids) if b not in sources], self.in_flight)
         req.block_ids = []
         return copies
 
