@@ -21,13 +21,13 @@ import torch
 from superinfer.engine.attention import allocate_kv_cache
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import RotaryParams, make_policy
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
 from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.output import RequestOutput, TextStream
-from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.runner import ModelRunner, StepOutput
 from superinfer.engine.slo import SLO
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer

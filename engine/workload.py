@@ -92,9 +92,8 @@ def load_trace(path: Path, rate: float, slo: SLO, tokens_per_char: float = 0.25,
     pairs = pairs[:limit] if limit else pairs
     if not pairs:
         raise ValueError(f"no prompt/response pairs found in {path}")
+    def tokens(text: str, limit: int) -> int:
+        return min(limit, max(1, round(len(text) * tokens_per_char)))
+
     arrivals = gamma_arrivals(rate, len(pairs), seed)
-    return [
-        WorkItem(t, min(1024, max(1, round(len(p) * tokens_per_char))), min(8192, max(1, round(len(g) * tokens_per_char))),
-                 slo)
-        for t, (p, g) in zip(arrivals, pairs, strict=True)
-    ]
+    return [WorkItem(t, tokens(p, 1024), tokens(g, 8192), slo) for t, (p, g) in zip(arrivals, pairs, strict=True)]
