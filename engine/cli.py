@@ -10,6 +10,7 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -46,16 +47,22 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     return EngineConfig(**{**overrides, **values})
 
 
+# The demo's scenario: a KV budget small enough that long decodes exhaust it (any flag overrides).
+DEMO_DEFAULTS = {"port": 0, "max_model_len": 512, "num_gpu_blocks": 48, "num_cpu_blocks": 2000,
+                 "ttft_slo_ms": 1000.0, "tbt_slo_ms": 100.0}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="superinfer", description="SLO-aware LLM serving")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     add_engine_flags(serve)
-    demo = sub.add_parser("demo", help="serve the built-in tiny model and measure a burst of requests")
+    demo = sub.add_parser("demo", help="fcfs vs rotary on the tiny model under a burst that exhausts KV memory")
     add_engine_flags(demo)
-    demo.add_argument("--requests", type=int, default=32, help="number of concurrent requests")
-    demo.add_argument("--output-tokens", type=int, default=48, help="tokens generated per request")
+    demo.add_argument("--policies", default="fcfs,rotary", help="comma-separated policies to compare")
+    demo.add_argument("--plot", type=Path, default=Path("superinfer-demo.png"), help="where to save the plot")
+    demo.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="do not plot")
     return parser
 
 
@@ -71,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             from superinfer.engine.demo import run_demo
 
-            config = engine_config(args, port=0, max_model_len=1024)
-            asyncio.run(run_demo(config, args.requests, args.output_tokens))
+            config = engine_config(args, **DEMO_DEFAULTS)
+            asyncio.run(run_demo(config, args.policies.split(","), args.plot))
     except ValidationError as exc:
         print(f"superinfer: invalid configuration:\n{exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
-"""`superinfer demo`: serve the built-in tiny model and measure a burst of streaming requests."""
+"""`superinfer demo`: the built-in tiny model, a small KV budget and a bursty open-loop load,
+served twice over HTTP (fcfs, then rotary), with SLO attainment side by side and a plot."""
 
 from __future__ import annotations
 
-import random
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -10,41 +11,82 @@ from rich.table import Table
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.loadgen import LoadRequest, run_load
 from superinfer.engine.server import start_server
-from superinfer.engine.slo import SLO, summarize
+from superinfer.engine.slo import SLO, RequestTiming, summarize
+from superinfer.engine.workload import WorkItem, burst_workload, prompt_tokens
 
-TOPICS = ("the ocean", "a mountain village", "trains at night", "a small robot", "winter markets",
-          "the history of tea", "a lighthouse keeper", "bees in spring")
+ROWS = (
+    ("TTFT attainment", "ttft_attainment", "{:.0%}"),
+    ("TBT attainment", "tbt_attainment", "{:.0%}"),
+    ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"),
+    ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
+    ("TBT p50 (ms)", "tbt_p50_ms", "{:.1f}"),
+    ("TBT p99 (ms)", "tbt_p99_ms", "{:.1f}"),
+    ("TPOT p99 (ms)", "tpot_p99_ms", "{:.1f}"),
+    ("throughput (tok/s)", "throughput_tok_s", "{:.0f}"),
+    ("rotations", "rotations", "{:.0f}"),
+    ("recompute preemptions", "recomputes", "{:.0f}"),
+)
 
 
-def demo_prompts(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [f"Write a short story about {rng.choice(TOPICS)}. " * rng.randint(1, 6) for _ in range(n)]
-
-
-async def run_demo(config: EngineConfig, num_requests: int, output_tokens: int) -> dict[str, float]:
-    console = Console()
-    console.print(f"[bold]SuperInfer demo[/bold]: model {config.model!r}, policy {config.policy}, "
-                  f"{num_requests} concurrent streaming requests of {output_tokens} tokens")
+async def run_policy(config: EngineConfig, items: list[WorkItem]) -> tuple[dict[str, float], list[RequestTiming]]:
     running = await start_server(config)
     try:
-        slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
         core = running.server.core
-        console.print(f"engine on {core.device} ({str(core.dtype).split('.')[-1]}), "
-                      f"{core.kv.num_blocks} KV blocks of {core.kv.block_size} tokens, serving at {running.url}")
-        await run_load(running.url, config.model_name, [LoadRequest("warm up", 4, slo)])
-        load = [LoadRequest(p, output_tokens, slo) for p in demo_prompts(num_requests)]
+        prompts = prompt_tokens(items, core.model_config.vocab_size)
+        await run_load(running.url, config.model_name, [LoadRequest([5, 6, 7], 2)])  # warm up
+        load = [LoadRequest(p, it.output_len, it.slo, it.arrival_s) for p, it in zip(prompts, items, strict=True)]
         timings, duration = await run_load(running.url, config.model_name, load)
+        report = summarize(timings, duration)
+        report["rotations"] = core.scheduler.counters.rotations
+        report["recomputes"] = core.scheduler.counters.preemptions["recompute"]
+        return report, timings
     finally:
         await running.close()
-    report = summarize(timings, duration)
-    table = Table(title=f"{num_requests} requests, SLO: TTFT ≤ {slo.ttft_ms:.0f} ms, TBT ≤ {slo.tbt_ms:.0f} ms")
-    table.add_column("metric")
-    table.add_column("p50", justify="right")
-    table.add_column("p90", justify="right")
-    table.add_column("p99", justify="right")
-    for name, key in (("TTFT (ms)", "ttft"), ("TBT per token (ms)", "tbt"), ("TPOT per request (ms)", "tpot")):
-        table.add_row(name, *(f"{report[f'{key}_p{q}_ms']:.1f}" for q in (50, 90, 99)))
+
+
+def plot(results: dict[str, tuple[dict[str, float], list[RequestTiming]]], slo: SLO, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ttft, ax_tbt) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, (_, timings) in results.items():
+        start = min(t.arrival for t in timings)
+        ax_ttft.scatter([t.arrival - start for t in timings], [t.ttft * 1000 for t in timings], label=policy, s=14)
+        tpots = sorted(t.tpot * 1000 for t in timings if t.tpot is not None)
+        ax_tbt.plot(tpots, [(i + 1) / len(tpots) for i in range(len(tpots))], label=policy)
+    ax_ttft.axhline(slo.ttft_ms, color="red", linestyle="--", label="TTFT SLO")
+    ax_ttft.set(xlabel="arrival (s)", ylabel="TTFT (ms)", title="time to first token per request")
+    ax_tbt.axvline(slo.tbt_ms, color="red", linestyle="--", label="TBT SLO")
+    ax_tbt.set(xlabel="mean time between tokens (ms)", ylabel="share of requests", title="TPOT distribution")
+    for ax in (ax_ttft, ax_tbt):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def run_demo(config: EngineConfig, policies: list[str], plot_path: Path | None) -> dict[str, dict[str, float]]:
+    console = Console()
+    slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
+    items = burst_workload(slo)
+    console.print(
+        f"[bold]SuperInfer demo[/bold]: model {config.model!r} with {config.num_gpu_blocks} KV blocks of "
+        f"{config.block_size} tokens; long decodes fill them, then a burst arrives ({len(items)} requests); "
+        f"SLO: TTFT ≤ {slo.ttft_ms:.0f} ms, TBT ≤ {slo.tbt_ms:.0f} ms"
+    )
+    results = {}
+    for policy in policies:
+        console.print(f"serving with --policy {policy} ...")
+        results[policy] = await run_policy(config.model_copy(update={"policy": policy}), items)
+    table = Table(title="the same load, served by each policy")
+    table.add_column("")
+    for policy in policies:
+        table.add_column(policy, justify="right")
+    for label, key, fmt in ROWS:
+        table.add_row(label, *(fmt.format(results[p][0][key]) for p in policies))
     console.print(table)
-    console.print(f"throughput {report['throughput_tok_s']:.0f} output tokens/s over {duration:.2f} s; "
-                  f"SLO attainment: TTFT {report['ttft_attainment']:.0%}, TBT {report['tbt_attainment']:.0%}")
-    return report
+    if plot_path is not None:
+        plot(results, slo, plot_path)
+        console.print(f"plot saved to {plot_path}")
+    return {p: r for p, (r, _) in results.items()}
