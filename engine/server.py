@@ -114,6 +114,10 @@ class OpenAIServer:
     async def _parse(self, request: web.Request, model: type[BaseModel]) -> Any:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "5"})
+        bound = self.config.max_waiting_requests
+        if bound is not None and self.core.scheduler.num_waiting >= bound:
+            raise APIError(503, f"the server is overloaded: {bound} requests are already queued; retry later",
+                           type="server_error", code="overloaded", headers={"Retry-After": "1"})
         try:
             raw = await request.json()
         except json.JSONDecodeError as exc:

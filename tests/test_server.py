@@ -211,3 +211,25 @@ async def test_drain_refuses_new_work(server, client):
     with pytest.raises(openai.APIStatusError) as err:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert err.value.status_code == 503
+
+
+async def test_queue_bound_answers_503_with_retry_after():
+    running = await start_server(EngineConfig(model="tiny", device="cpu", port=0, num_gpu_blocks=16, max_num_seqs=1,
+                                              max_waiting_requests=1, max_model_len=256))
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+    scheduler = running.server.core.scheduler
+    try:
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(http.post(running.url + c.COMPLETIONS_PATH, json=body))
+            second = asyncio.create_task(http.post(running.url + c.COMPLETIONS_PATH, json=body))
+            deadline = time.monotonic() + 10
+            while not (scheduler.num_running == 1 and scheduler.num_waiting == 1) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            async with http.post(running.url + c.COMPLETIONS_PATH, json=body) as third:
+                assert third.status == 503 and third.headers["Retry-After"] == "1"
+                assert (await third.json())["error"]["code"] == "overloaded"
+            for task in (first, second):
+                task.cancel()
+        assert await all_blocks_free(running)
+    finally:
+        await running.close()
