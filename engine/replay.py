@@ -2,8 +2,8 @@
 
 The model runs for real (every token is computed), but time advances by a step cost model
 instead of the wall clock, so SLO results are reproducible on any machine: the scheduler's
-decisions (and VLT) see exactly the same times on every run. Used by the tests and the CPU
-`slo` benchmark; wall-clock runs go through the HTTP server (`engine.loadgen`).
+decisions (and VLT) see exactly the same times on every run. Used by the tests and the `slo`
+benchmark; HTTP runs against any OpenAI endpoint go through `engine.loadgen`.
 """
 
 from __future__ import annotations
@@ -43,18 +43,22 @@ class StepCost:
         return max(compute, copies)
 
 
-def replay(core: EngineCore, items: Sequence[WorkItem], prompts: Sequence[list[int]], clock: VirtualClock,
+def replay(core: EngineCore, items: Sequence[WorkItem], prompts: Sequence[list[int]],
            cost: StepCost | None = None) -> tuple[list[RequestTiming], float]:
-    """Run every item to completion; returns per-request timings and the virtual duration."""
-    if core.clock is not clock:
-        raise ValueError("the engine must be built with the same VirtualClock")
+    """Run every item to completion; returns per-request timings and the run's duration.
+
+    With a VirtualClock engine, time advances by `cost` per step; with a real clock, arrivals
+    wait for their wall-clock time (an open-loop load driven in-process, no HTTP).
+    """
+    clock = core.clock
+    virtual = isinstance(clock, VirtualClock)
     cost = cost or StepCost()
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     token_times: dict[str, list[float]] = {}
     nxt = 0
-    start = clock.now
+    start = clock()
     while nxt < len(order) or core.has_work:
-        while nxt < len(order) and start + items[order[nxt]].arrival_s <= clock.now:
+        while nxt < len(order) and start + items[order[nxt]].arrival_s <= clock():
             i = order[nxt]
             rid = f"w{i}"
             sampling = SamplingParams(max_tokens=items[i].output_len, temperature=0, ignore_eos=True)
@@ -62,14 +66,19 @@ def replay(core: EngineCore, items: Sequence[WorkItem], prompts: Sequence[list[i
             token_times[rid] = []
             nxt += 1
         if not core.has_work:
-            clock.now = start + items[order[nxt]].arrival_s
+            wait = start + items[order[nxt]].arrival_s - clock()
+            if virtual:
+                clock.now += wait
+            else:
+                time.sleep(max(0.0, wait))
             continue
         t0 = time.perf_counter()
         plan = core.scheduler.schedule()
         result = core.runner.execute(plan)
-        clock.now += cost(plan)
+        if virtual:
+            clock.now += cost(plan)
         for out in core.complete(plan, result, {"execute": time.perf_counter() - t0}):
-            token_times[out.request_id].append(clock.now)
+            token_times[out.request_id].append(clock())
     timings = [RequestTiming(start + items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo)
                for i in range(len(items))]
-    return timings, clock.now - start
+    return timings, clock() - start

@@ -23,7 +23,7 @@ def run_policy(policy: str) -> tuple[dict[str, float], EngineCore]:
     core = EngineCore(EngineConfig(model="tiny", device="cpu", policy=policy, num_gpu_blocks=48,
                                    num_cpu_blocks=2000, max_model_len=512), clock=clock)
     items = burst_workload(SLO_TARGETS, seed=0)
-    timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size), clock)
+    timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size))
     assert all(len(t.token_times) == item.output_len for t, item in zip(timings, items, strict=True))
     return summarize(timings, duration), core
 

@@ -187,7 +187,9 @@ class KVCacheManager:
         Returns False, changing nothing, when the free pool cannot cover it.
         """
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        need = self.blocks_for(total) - len(req.block_ids) - len(cached)
+        need = -(-total // self.block_size) - len(req.block_ids) - len(cached)
+        if not cached and need <= 0:
+            return True  # the common decode step: the last block has room
         cached_free = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
         if need > self.pool.num_free - cached_free:
             return False
@@ -208,9 +210,9 @@ class KVCacheManager:
 
     def commit_full_blocks(self, req: Request, num_computed_before: int) -> None:
         """Register the blocks that this step filled with computed tokens in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or req.num_computed_tokens // bs == num_computed_before // bs:
+            return  # no block filled up in this step
         end = min(req.num_computed_tokens // bs, len(req.block_ids))
         hashes = self.update_hashes(req)
         for i in range(num_computed_before // bs, end):

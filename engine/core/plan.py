@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from superinfer.engine.core.request import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSeq:
     """One request's share of a step: feed `token_ids` at positions start_pos.. ."""
 

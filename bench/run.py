@@ -1,0 +1,37 @@
+"""Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
+
+    python -m bench.run            # CPU: peer, sched, slo (tiny model)
+    python -m bench.run --gpu      # GPU: step, copy, slo (llama-3-8b dummy weights), GPU tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+CPU = [["bench.peer"], ["bench.sched"], ["bench.slo"]]
+GPU = [
+    ["pytest", "-q", "-m", "gpu", "tests"],
+    ["bench.step", "--device", "cuda"],
+    ["bench.copy", "--device", "cuda"],
+    ["bench.slo", "--device", "cuda", "--duration", "30", "--gpu-memory-utilization", "0.3"],
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", action="store_true")
+    args = parser.parse_args()
+    failed = []
+    for module, *rest in GPU if args.gpu else CPU:
+        print(f"== {module} {' '.join(rest)}", flush=True)
+        if subprocess.run([sys.executable, "-m", module, *rest]).returncode:
+            failed.append(module)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""step: engine decode and prefill throughput against the hardware limits measured in the same run.
+
+Decode: B requests at a given context length; the median step time against the roofline
+(weight bytes + KV bytes read) / measured HBM bandwidth. Prefill: tokens per second and the share
+of bf16 peak (2 x parameters x tokens FLOPs).
+
+    python -m bench.step --device cuda --model llama-3-8b [--batches 1,16,64,256] [--context 2048]
+    python -m bench.step --device cpu --model tiny --batches 1,8 --context 128   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from bench.record import write_result
+from superinfer.engine.config import EngineConfig
+from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.engine import EngineCore
+
+BF16_PEAK_FLOPS = 989e12  # H100/H200/GH200 dense bf16
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hbm_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def decode(core: EngineCore, batch: int, context: int, steps: int) -> float:
+    """Median seconds per decode step of `batch` requests at `context` tokens."""
+    rng = random.Random(batch)
+    vocab = core.model_config.vocab_size
+    for i in range(batch):
+        prompt = [rng.randrange(vocab) for _ in range(context)]
+        core.add_request(f"d{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+        core.step()  # prefill, not timed
+    times = []
+    while core.has_work:
+        sync(core.device)
+        t0 = time.perf_counter()
+        core.step()
+        sync(core.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:-1])
+
+
+def prefill(core: EngineCore, tokens: int) -> float:
+    prompt = [random.Random(0).randrange(core.model_config.vocab_size) for _ in range(tokens)]
+    core.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0))
+    sync(core.device)
+    t0 = time.perf_counter()
+    while core.has_work:
+        core.step()
+    sync(core.device)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    core = EngineCore(EngineConfig(model=args.model, device=args.device, dummy_weights=args.model != "tiny",
+                                   max_num_seqs=512, max_num_batched_tokens=max(args.prefill_tokens, 8192),
+                                   max_model_len=max(args.context + args.steps, args.prefill_tokens) + 8,
+                                   gpu_memory_utilization=0.92))
+    mc = core.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+    kv_per_token = mc.kv_bytes_per_token(core.dtype.itemsize)
+    bw = hbm_bandwidth(device)
+    figures: dict[str, float] = {"hbm_gb_s_measured": bw / 1e9, "weight_gb": weight_bytes / 1e9}
+    for b in (int(x) for x in args.batches.split(",")):
+        if core.kv.blocks_for(args.context + args.steps + 4) * b > core.kv.num_blocks:
+            print(f"B={b}: does not fit in {core.kv.num_blocks} KV blocks, skipped")
+            continue
+        seconds = decode(core, b, args.context, args.steps)
+        bound = (weight_bytes + b * (args.context + args.steps // 2) * kv_per_token) / bw
+        figures[f"decode_b{b}_ms"] = 1000 * seconds
+        figures[f"decode_b{b}_tok_s"] = b / seconds
+        figures[f"decode_b{b}_share_of_roofline"] = bound / seconds
+        print(f"decode B={b:4d}: {1000 * seconds:8.2f} ms/step  {b / seconds:9.0f} tok/s  "
+              f"roofline share {bound / seconds:.2f}", flush=True)
+    seconds = prefill(core, args.prefill_tokens)
+    flops = 2 * mc.num_params() * args.prefill_tokens
+    figures["prefill_tok_s"] = args.prefill_tokens / seconds
+    figures["prefill_share_of_bf16_peak"] = flops / seconds / BF16_PEAK_FLOPS
+    print(f"prefill {args.prefill_tokens} tokens: {figures['prefill_tok_s']:.0f} tok/s, "
+          f"{figures['prefill_share_of_bf16_peak']:.2%} of bf16 peak")
+    goal = {"decode_b64_share_of_roofline": ">= 0.8", "prefill_share_of_bf16_peak": ">= 0.55"}
+    extra = {"model": args.model, "context": args.context, "dtype": str(core.dtype).split(".")[-1],
+             "attention": "torch reference (gather + SDPA); Triton kernels pending"}
+    print(f"wrote {write_result('step', args.device, figures, goal, extra)}")
+
+
+if __name__ == "__main__":
+    main()
