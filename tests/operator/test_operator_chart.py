@@ -76,6 +76,8 @@ def test_monitoring_objects_need_the_api_or_the_override(chart):
     assert set(kinds(docs)) >= MONITORING_KINDS
     by_kind = {d["kind"]: d for d in docs}
     assert by_kind["ServiceMonitor"]["metadata"]["labels"]["release"] == "prom"
+    # Operator series label the InferenceService's namespace; Prometheus must not overwrite it.
+    assert by_kind["ServiceMonitor"]["spec"]["endpoints"][0]["honorLabels"] is True
     alerts = by_kind["PrometheusRule"]["spec"]["groups"][1]["rules"]
     fast = next(a for a in alerts if a["alert"] == "SuperInferSLOBurnRateFast")
     assert "(14.4 * 0.01)" in fast["expr"] and "__ERROR_BUDGET__" not in fast["expr"]
