@@ -81,15 +81,12 @@ def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
         state.forget(key)
 
     @kopf.timer(*RESOURCE, interval=config.timer_interval, when=_autoscaling_enabled, registry=registry)
-    async def autoscaler(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-        key = (body.metadata.namespace or "", body.metadata.name or "")
+    async def autoscaler(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         decision = await autoscale.tick(state, body, logger)
-        if decision is None:
-            return
-        async with state.locks[key]:
-            status = await sync(state, body)
-        if status_changed(body.get("status"), status):
-            patch.status.update(status)
+        if decision is not None:
+            # Re-read the owner: a /scale write has just changed its spec, and `body` predates it
+            # (syncing from `body` could set the Deployment back to the old replica count).
+            await resync(state, body.metadata.namespace or "", body.metadata.name or "")
 
     async def child_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         owner = (body.metadata.labels or {}).get(names.LABEL_SERVICE)
