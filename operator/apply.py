@@ -14,20 +14,35 @@ from typing import Any, Literal
 
 import kopf
 
+from superinfer.operator import quantity
 from superinfer.operator.kube import BY_KIND, ApiError, Kube
 from superinfer.operator.names import LAST_APPLIED
 
 Action = Literal["created", "patched", "unchanged"]
 CONFLICT_RETRIES = 3
+QUANTITY_MAPS = ("requests", "limits")
 
 
-def is_subset(want: Any, have: Any) -> bool:
-    """Whether `have` already contains everything in `want` (dicts partially, lists item by item)."""
+def is_subset(want: Any, have: Any, quantities: bool = False) -> bool:
+    """Whether `have` already contains everything in `want` (dicts partially, lists item by item).
+
+    Values of `requests`/`limits` maps are compared as quantities: the API server stores them in
+    canonical form ("0.5" comes back as "500m"), which is not drift.
+    """
     if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+        return isinstance(have, Mapping) and all(
+            k in have and is_subset(v, have[k], quantities or k in QUANTITY_MAPS) for k, v in want.items()
+        )
     if isinstance(want, list):
         return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
-    return want == have
+    return want == have or (quantities and _same_quantity(want, have))
+
+
+def _same_quantity(want: Any, have: Any) -> bool:
+    try:
+        return quantity.parse(want) == quantity.parse(have)
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 def removals(last: Any, want: Any) -> Any:
