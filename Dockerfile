@@ -12,7 +12,7 @@ ARG PYTHON_VERSION=3.12
 
 FROM python:${PYTHON_VERSION}-slim AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-ARG TORCH_SPEC="torch>=2.4"
+ARG TORCH_SPEC="torch>=2.5"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/superinfer
 ENV PATH=/opt/superinfer/bin:$PATH
