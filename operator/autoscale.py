@@ -32,7 +32,7 @@ async def scrape_pods(
                 return False
             try:
                 text = await scrape.fetch(session, url, timeout)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 log.info("scrape of %s failed: %s", url, exc)
                 return False
             scaler.window.add(pod, scrape.parse(text, now, model_name))

@@ -91,6 +91,6 @@ async def window(
     exprs = queries(namespace, model, window_seconds)
     try:
         values = await asyncio.gather(*(one(e) for e in exprs.values()))
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
     return build_stats(dict(zip(exprs, values, strict=True)), window_seconds)

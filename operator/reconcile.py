@@ -25,7 +25,7 @@ ISVC = Res(names.API_VERSION, names.PLURAL)
 
 
 def now_iso(clock_value: float) -> str:
-    return datetime.datetime.fromtimestamp(clock_value, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.fromtimestamp(clock_value, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:

@@ -29,7 +29,7 @@ class Emulator(KubernetesEmulator):
                     meta["name"] = meta["generateName"] + secrets.token_hex(3)
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault("generation", 1)
-                now = datetime.datetime.now(tz=datetime.UTC)
+                now = datetime.datetime.now(tz=datetime.timezone.utc)
                 meta.setdefault("creationTimestamp", now.strftime("%Y-%m-%dT%H:%M:%SZ"))
                 meta["resourceVersion"] = str(next(self._versions))
             elif request.action == action.UPDATE and request.name is not None:
