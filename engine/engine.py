@@ -95,6 +95,9 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_dir(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"--max-model-len {self.max_model_len} is longer than this model's context "
+                             f"(max_position_embeddings {mc.max_position_embeddings})")
 
         bs = config.block_size
         block_bytes = mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize

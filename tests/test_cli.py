@@ -32,6 +32,7 @@ def test_every_contract_flag_exists():
     (["serve", "--block-size", "0"], "block_size"),
     (["serve", "--model", "/no/such/folder"], "/no/such/folder"),
     (["serve", "--policy", "nope"], "invalid choice"),
+    (["serve", "--model", "tiny", "--device", "cpu", "--max-model-len", "100000"], "max_position_embeddings"),
 ])
 def test_bad_configuration_exits_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
