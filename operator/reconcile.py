@@ -22,6 +22,8 @@ from superinfer.operator.state import State
 from superinfer.operator.validation import validate
 
 ISVC = Res(names.API_VERSION, names.PLURAL)
+# Status fields that only some specs have; sync() nulls them when they do not apply.
+CLEARABLE_STATUS = ("model", "desiredReplicas", "autoscaler", "slo")
 
 
 def now_iso(clock_value: float) -> str:
@@ -125,7 +127,9 @@ async def sync(state: State, owner: Mapping[str, Any]) -> dict[str, Any]:
         state.metrics.current_replicas.labels(ns, name).set(status["replicas"])
         state.metrics.ready_replicas.labels(ns, name).set(status["readyReplicas"])
         state.metrics.slo_target.labels(ns, name).set(spec.slo.attainment_target)
-    return {k: v for k, v in status.items() if v is not None}
+    out = {k: v for k, v in status.items() if v is not None}
+    # Null what no longer applies (autoscaling turned off, spec now invalid): a merge patch removes it.
+    return out | {k: None for k in CLEARABLE_STATUS if k not in out}
 
 
 def _was_invalid(status: Mapping[str, Any], message: str) -> bool:

@@ -172,3 +172,20 @@ async def test_scale_subresource_drives_the_deployment(running):
     assert decision["action"] == "Hold" and decision["reason"] == "InitialDelay"
     assert running.condition("auto", "ScalingReady")["status"] == "True"
     assert running.condition("auto", "MetricsAvailable") is not None
+
+
+async def test_status_that_no_longer_applies_is_removed(running):
+    spec = {**TINY, "autoscaling": {"enabled": True, "initialDelaySeconds": 600}}
+    await running.create_isvc("auto", spec)
+    await eventually(lambda: running.isvc("auto")["status"]["autoscaler"]["lastDecision"])
+    assert running.condition("auto", "ScalingReady") is not None
+    await running.api.patch(ISVC, "default", "auto", {"spec": {"autoscaling": {"enabled": False}}})
+    await eventually(lambda: running.isvc("auto")["status"]["observedGeneration"] == 2)
+    await eventually(lambda: "autoscaler" not in running.isvc("auto")["status"])
+    assert running.condition("auto", "ScalingReady") is None and running.condition("auto", "MetricsAvailable") is None
+    assert running.isvc("auto")["status"]["model"]["state"] == "Loading"
+    # A spec that turns invalid keeps only what describes it (conditions, selector, url).
+    await running.api.patch(ISVC, "default", "auto", {"spec": {"model": {"uri": "ftp://nope"}}})
+    await running.wait_condition("auto", "Validated", status="False")
+    await eventually(lambda: "model" not in running.isvc("auto")["status"])
+    assert "desiredReplicas" not in running.isvc("auto")["status"]
