@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from superinfer.engine.contract import metric
-from superinfer.operator.scrape import WindowStats
+from superinfer.operator.scrape import WindowStats, slo_shares
 
 
 def queries(namespace: str, model: str, window_seconds: float) -> dict[str, str]:
@@ -50,17 +50,15 @@ def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: 
     if not pods:
         return None
     slo = {(r["metric"].get("ttft", ""), r["metric"].get("tbt", "")): float(r["value"][1]) for r in results["slo"]}
-    total = sum(slo.values())
-    met_both = slo.get(("met", "met"), 0.0)
-    met_ttft = met_both + slo.get(("met", "missed"), 0.0)
+    total, both, ttft_only = slo_shares(slo)
     kv = {r["metric"].get("tier", ""): float(r["value"][1]) for r in results.get("kv", [])}
     ttft, tbt, tbt_mean = (_scalar(results.get(k, [])) for k in ("ttft_p90", "tbt_p90", "tbt_mean"))
     return WindowStats(
         pods=int(pods),
         span_seconds=window_seconds,
         requests=total,
-        attainment=met_both / total if total else None,
-        ttft_attainment=met_ttft / total if total else None,
+        attainment=both,
+        ttft_attainment=ttft_only,
         ttft_p90_ms=ttft * 1000 if ttft is not None else None,
         tbt_p90_ms=tbt * 1000 if tbt is not None else None,
         tbt_mean_ms=tbt_mean * 1000 if tbt_mean is not None else None,

@@ -116,6 +116,16 @@ class WindowStats:
     swap_gbps: float  # both directions, bytes/s / 1e9 over the window
 
 
+def slo_shares(slo: Mapping[tuple[str, str], float]) -> tuple[float, float | None, float | None]:
+    """From (ttft, tbt) verdict counts: finished requests, the share meeting both SLOs and the share
+    meeting TTFT (None without requests)."""
+    total = sum(slo.values())
+    if not total:
+        return total, None, None
+    both = slo.get(("met", "met"), 0.0)
+    return total, both / total, (both + slo.get(("met", "missed"), 0.0)) / total
+
+
 def _delta(new: Mapping, old: Mapping) -> dict:
     """Counter deltas; a counter that went down was reset (pod restart): its new value is the delta."""
     out = {}
@@ -218,17 +228,15 @@ class Window:
                 kv_cpu.append(last.kv_usage["cpu"])
         if pods == 0:
             return None
-        total = sum(slo.values())
-        met_both = slo.get(("met", "met"), 0.0)
-        met_ttft = met_both + slo.get(("met", "missed"), 0.0)
+        total, both, ttft_only = slo_shares(slo)
         p90_ttft = histogram_quantile(0.9, ttft)
         p90_tbt = histogram_quantile(0.9, tbt)
         return WindowStats(
             pods=pods,
             span_seconds=span,
             requests=total,
-            attainment=met_both / total if total else None,
-            ttft_attainment=met_ttft / total if total else None,
+            attainment=both,
+            ttft_attainment=ttft_only,
             ttft_p90_ms=p90_ttft * 1000 if p90_ttft is not None else None,
             tbt_p90_ms=p90_tbt * 1000 if p90_tbt is not None else None,
             tbt_mean_ms=tbt_sum / tbt_count * 1000 if tbt_count else None,
