@@ -16,6 +16,7 @@ from superinfer.operator.autoscaler import Decision, Observation, Params, decide
 from superinfer.operator.kube import PODS
 from superinfer.operator.reconcile import ISVC, now_iso
 from superinfer.operator.state import Scaler, State, pod_metrics_url
+from superinfer.operator.validation import validate
 
 HISTORY = 10
 
@@ -102,11 +103,9 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
     """Evaluate (when intervalSeconds have passed) and act; None when it was not yet time."""
     meta = owner["metadata"]
     ns, name = meta["namespace"], meta["name"]
-    try:
-        spec = InferenceServiceSpec.model_validate(owner.get("spec") or {})
-    except ValueError:
-        return None
-    if not spec.autoscaling.enabled:
+    outcome = validate(name, owner.get("spec") or {})
+    spec = outcome.spec
+    if not outcome.ok or spec is None or not spec.autoscaling.enabled:  # Validated=False: no scaling
         return None
     params = Params.from_spec(spec)
     now = state.config.clock()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import replace
 
@@ -10,9 +11,12 @@ import pytest
 
 from superinfer.engine.contract import metric
 from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.autoscale import tick
 from superinfer.operator.autoscaler import Memory, Observation, Params, decide, scale_up_target
+from superinfer.operator.kube import Kube
 from superinfer.operator.latency import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
 from superinfer.operator.scrape import Window, WindowStats, histogram_quantile, parse
+from superinfer.operator.state import Config, State
 
 SPEC = InferenceServiceSpec.model_validate(
     {
@@ -265,3 +269,14 @@ def test_window_drops_old_snapshots_and_stale_pods():
     assert w.stats(now=400, fresh_seconds=30) is None  # nothing fresh: the caller holds
     w.forget_missing([])
     assert w.series == {}
+
+
+async def test_tick_leaves_an_invalid_service_alone():
+    async def no_login():
+        raise AssertionError("an invalid service must not reach the API")
+
+    state = State(config=Config(login=no_login), kube=Kube(no_login))
+    spec = {**SPEC.dump(), "kvCache": {"cpuOffload": {"size": "512Gi"}}}  # passes the schema, not the check
+    owner = {"metadata": {"namespace": "ns", "name": "big"}, "spec": spec}
+    assert await tick(state, owner, logging.getLogger("test")) is None
+    assert state.scalers == {}
