@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from superinfer.operator.api import FreeObject, SLOSpec
+from superinfer.operator.api import FreeObject
 from superinfer.operator.rules import KubeModel
 
 
@@ -46,8 +46,6 @@ class OperatorValues(KubeModel):
 class Engine(KubeModel):
     image: str = ""
     """Default engine image for InferenceServices that set none (default: the chart's image)."""
-    slo: SLOSpec = Field(default_factory=SLOSpec)
-    """Documented defaults for InferenceService SLOs (the CRD applies the same ones)."""
 
 
 class Monitor(KubeModel):

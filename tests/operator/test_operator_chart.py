@@ -139,7 +139,8 @@ def test_values_yaml_equals_the_model_defaults():
 @pytest.mark.parametrize(
     "bad",
     [{"operator": {"podMonitors": "sometimes"}}, {"monitoring": {"prometheusRule": {"attainmentTarget": 2}}},
-     {"crds": {"install": "yes"}}, {"operatr": {}}, {"engine": {"slo": {"ttftMs": -1}}}],
+     {"crds": {"install": "yes"}}, {"operatr": {}}, {"operator": {"metricsPort": 0}},
+     {"engine": {"slo": {"ttftMs": 100}}}],  # the last: no such knob (the CRD owns SLO defaults)
 )  # fmt: skip
 def test_values_schema_rejects_bad_values(chart, bad):
     with pytest.raises(helm.HelmError):
