@@ -42,15 +42,20 @@ class PagedAttention:
     """The `Attention` callable the model runs for one step."""
 
     def __init__(self, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
-        self.kv_cache = kv_cache
+        num_blocks, self.num_layers, _, self.block_size, kv_heads, head_dim = kv_cache.shape
         self.meta = meta
         self.scale = scale
+        # Flat views: token slots [blocks * layers * 2 * block_size, H, D] for writing new K/V with
+        # one index_copy_, and (block, layer) rows for gathering whole blocks with one index_select.
+        self.slots = kv_cache.view(-1, kv_heads, head_dim)
+        self.rows = kv_cache.view(num_blocks * self.num_layers, 2, self.block_size, kv_heads, head_dim)
+        self.slot_index = meta.slot_blocks * (self.num_layers * 2 * self.block_size) + meta.slot_offsets
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.meta
-        layer_cache = self.kv_cache[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim]
-        layer_cache[m.slot_blocks, 0, m.slot_offsets] = k.to(layer_cache.dtype)
-        layer_cache[m.slot_blocks, 1, m.slot_offsets] = v.to(layer_cache.dtype)
+        k_slots = self.slot_index + layer * 2 * self.block_size
+        self.slots.index_copy_(0, k_slots, k.to(self.slots.dtype))
+        self.slots.index_copy_(0, k_slots + self.block_size, v.to(self.slots.dtype))
 
         out = torch.empty_like(q)
         if m.decode_rows.numel():
@@ -68,8 +73,9 @@ class PagedAttention:
 
     def _gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, kv_heads, S, head_dim] of padded block tables [B, max_blocks]: one gather."""
-        kv = self.kv_cache[tables, layer]  # [B, max_blocks, 2, block_size, kv_heads, head_dim]
-        kv = kv.permute(2, 0, 4, 1, 3, 5).flatten(3, 4)
+        b, width = tables.shape
+        kv = self.rows.index_select(0, (tables * self.num_layers + layer).flatten())
+        kv = kv.view(b, width, *kv.shape[1:]).permute(2, 0, 4, 1, 3, 5).flatten(3, 4)
         return kv[0], kv[1]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
