@@ -10,7 +10,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
-from superinfer.engine.slo import SLO, histogram_buckets
+from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, tpot
 
 if TYPE_CHECKING:
     from superinfer.engine.duplex import CopyStats
@@ -133,10 +133,8 @@ class EngineMetrics:
         self._compat("e2e", "observe", now - req.arrival_time)
         if req.t_first_token is None:
             return  # aborted before its first token: no latency to judge
-        ttft_met = (req.t_first_token - req.arrival_time) * 1000.0 <= req.slo.ttft_ms
-        n = req.num_output_tokens
-        tpot = (req.t_last_token - req.t_first_token) / (n - 1) if n > 1 else 0.0
-        tbt_met = tpot * 1000.0 <= req.slo.tbt_ms
+        ttft_met = meets_ttft(req.t_first_token - req.arrival_time, req.slo)
+        tbt_met = meets_tbt(tpot(req.t_first_token, req.t_last_token, req.num_output_tokens), req.slo)
         self._c("slo_requests", "met" if ttft_met else "missed", "met" if tbt_met else "missed").inc()
 
     def render(self) -> bytes:

@@ -27,6 +27,19 @@ class SLO:
             raise ValueError(f"SLO targets must be positive, got ttft_ms={self.ttft_ms} tbt_ms={self.tbt_ms}")
 
 
+def meets_ttft(ttft_s: float | None, slo: SLO) -> bool:
+    return ttft_s is not None and ttft_s * 1000.0 <= slo.ttft_ms
+
+
+def meets_tbt(tpot_s: float | None, slo: SLO) -> bool:
+    """A request meets its TBT SLO when its mean gap between tokens does (one token: trivially)."""
+    return tpot_s is None or tpot_s * 1000.0 <= slo.tbt_ms
+
+
+def tpot(first_token: float, last_token: float, num_tokens: int) -> float | None:
+    return (last_token - first_token) / (num_tokens - 1) if num_tokens > 1 else None
+
+
 @dataclass(frozen=True)
 class RequestTiming:
     """Wall-clock times (seconds) of one request: arrival and each output token."""
@@ -48,16 +61,15 @@ class RequestTiming:
     def tpot(self) -> float | None:
         """Mean time per output token after the first; None with fewer than two tokens."""
         t = self.token_times
-        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+        return tpot(t[0], t[-1], len(t)) if t else None
 
     @property
     def ttft_met(self) -> bool:
-        return self.ttft is not None and self.ttft * 1000.0 <= self.slo.ttft_ms
+        return meets_ttft(self.ttft, self.slo)
 
     @property
     def tbt_met(self) -> bool:
-        tpot = self.tpot
-        return tpot is None or tpot * 1000.0 <= self.slo.tbt_ms
+        return meets_tbt(self.tpot, self.slo)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

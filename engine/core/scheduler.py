@@ -44,7 +44,6 @@ class SchedulerCounters:
 
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
     rotations: int = 0
-    steps: int = 0
 
 
 @dataclass
@@ -167,7 +166,6 @@ class Scheduler:
                 copies = self.kv.write_through(req, step.transfer_left, done)
                 step.swap_out += copies
                 step.transfer_left -= len(copies)
-        self.counters.steps += 1
         self.kv.submitted(step.id)
         released, self._released = self._released, []
         return StepPlan(step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in,
