@@ -46,9 +46,12 @@ class PagedAttention:
         self.meta = meta
         self.scale = scale
         # Flat views: token slots [blocks * layers * 2 * block_size, H, D] for writing new K/V with
-        # one index_copy_, and (block, layer) rows for gathering whole blocks with one index_select.
+        # one index_copy_, and the K and V halves of each (block, layer) row, gathered with one
+        # index_select each straight into [B, S, H, D] order.
         self.slots = kv_cache.view(-1, kv_heads, head_dim)
-        self.rows = kv_cache.view(num_blocks * self.num_layers, 2, self.block_size, kv_heads, head_dim)
+        rows = kv_cache.view(num_blocks * self.num_layers, 2, self.block_size * kv_heads * head_dim)
+        self.k_rows, self.v_rows = rows[:, 0], rows[:, 1]
+        self.head_shape = (kv_heads, head_dim)
         self.slot_index = meta.slot_blocks * (self.num_layers * 2 * self.block_size) + meta.slot_offsets
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -74,9 +77,11 @@ class PagedAttention:
     def _gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, kv_heads, S, head_dim] of padded block tables [B, max_blocks]: one gather."""
         b, width = tables.shape
-        kv = self.rows.index_select(0, (tables * self.num_layers + layer).flatten())
-        kv = kv.view(b, width, *kv.shape[1:]).permute(2, 0, 4, 1, 3, 5).flatten(3, 4)
-        return kv[0], kv[1]
+        index = (tables * self.num_layers + layer).flatten()
+        shape = (b, width * self.block_size, *self.head_shape)
+        keys = self.k_rows.index_select(0, index).view(shape).transpose(1, 2)
+        values = self.v_rows.index_select(0, index).view(shape).transpose(1, 2)
+        return keys, values
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
                 ) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
@@ -51,6 +51,7 @@ class EngineMetrics:
         self.slo_target.labels(model_name, "tbt").set(slo.tbt_ms / 1000.0)
         Info(c.metric("info"), "engine build and configuration", [label], registry=reg).labels(model_name).info(info)
         self._seen = SchedulerCounters()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
         self.vllm: dict[str, Gauge | Counter | Histogram] = {}
         if vllm_compat:
@@ -69,15 +70,23 @@ class EngineMetrics:
                 "generation": Counter("vllm:generation_tokens", "generated tokens", vl, registry=reg),
             }
 
+    def _child(self, family: Gauge | Counter | Histogram, *labels: str) -> Any:
+        """The family's series for this model and `labels`, looked up once (labels() is slow)."""
+        key = (id(family), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(self.model_name, *labels)
+        return child
+
     def _g(self, name: str, *labels: str) -> Gauge:
-        return self.gauges[name].labels(self.model_name, *labels)
+        return self._child(self.gauges[name], *labels)
 
     def _c(self, name: str, *labels: str) -> Counter:
-        return self.counters[name].labels(self.model_name, *labels)
+        return self._child(self.counters[name], *labels)
 
     def _compat(self, key: str, method: str, value: float) -> None:
         if self.vllm:
-            getattr(self.vllm[key].labels(self.model_name), method)(value)
+            getattr(self._child(self.vllm[key]), method)(value)
 
     def on_step(
         self, sched: Scheduler, kv: KVCacheManager, copies: CopyStats, block_bytes: int,
@@ -93,7 +102,7 @@ class EngineMetrics:
             for state, n in (("used", pool.num_used), ("free", pool.num_free), ("quarantined", len(pool.held))):
                 self._g("kv_blocks", tier, state).set(n)
         for phase, seconds in phase_seconds.items():
-            self.step.labels(self.model_name, phase).observe(seconds)
+            self._child(self.step, phase).observe(seconds)
         counters = sched.counters
         for mode, n in counters.preemptions.items():
             if n > self._seen.preemptions[mode]:
@@ -106,7 +115,7 @@ class EngineMetrics:
                                            ("cpu_to_gpu", copies.blocks_in, copies.seconds_in)):
             if blocks:
                 self._c("kv_swap_bytes", direction).inc(blocks * block_bytes)
-                self.swap_seconds.labels(self.model_name, direction).observe(seconds)
+                self._child(self.swap_seconds, direction).observe(seconds)
         self._compat("running", "set", sched.num_running)
         self._compat("waiting", "set", sched.num_waiting)
         self._compat("kv", "set", kv.usage)
@@ -117,19 +126,19 @@ class EngineMetrics:
         self._compat("generation", "inc", 1)
         if gap_s is None:
             ttft = req.t_first_token - req.arrival_time
-            self.ttft.labels(self.model_name).observe(ttft)
+            self._child(self.ttft).observe(ttft)
             self._compat("ttft", "observe", ttft)
-            self.queue.labels(self.model_name).observe(req.t_scheduled - req.arrival_time)
+            self._child(self.queue).observe(req.t_scheduled - req.arrival_time)
             self._c("prompt_tokens").inc(req.num_prompt_tokens)
             self._compat("prompt", "inc", req.num_prompt_tokens)
         else:
-            self.tbt.labels(self.model_name).observe(gap_s)
+            self._child(self.tbt).observe(gap_s)
             self._compat("itl", "observe", gap_s)
 
     def on_finish(self, req: Request, now: float) -> None:
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         self._c("requests_finished", reason).inc()
-        self.e2e.labels(self.model_name).observe(now - req.arrival_time)
+        self._child(self.e2e).observe(now - req.arrival_time)
         self._compat("e2e", "observe", now - req.arrival_time)
         if req.t_first_token is None:
             return  # aborted before its first token: no latency to judge
