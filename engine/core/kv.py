@@ -242,11 +242,11 @@ class KVCacheManager:
         is shared, not copied.
         """
         copies: list[tuple[int, int]] = []
-        if self.cpu is None:
-            return copies
-        hashes = self.update_hashes(req)
         done = req.num_computed_tokens if complete_tokens is None else complete_tokens
         full = min(done // self.block_size, len(req.block_ids))
+        if self.cpu is None or full <= len(req.cpu_block_ids):
+            return copies  # nothing newly full (the common decode step)
+        hashes = self.update_hashes(req)
         for i in range(len(req.cpu_block_ids), full):
             known = self.cpu.lookup(hashes[i])
             if known is not None:
