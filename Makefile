@@ -1,28 +1,30 @@
 # Two commands for a fresh machine: `make demo` and `make test` (both set everything up first).
+# Tools run as the venv's console scripts, never `python -m` from here: the root folder
+# `operator/` would shadow the standard library's `operator` module on a fresh interpreter.
 VENV ?= .venv
-PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/superinfer demo
+	$(BIN)/superinfer demo
 
 test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(PY) -m bench.run
+	$(BIN)/python -m bench.run
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -36,10 +36,10 @@ def step(s: Scheduler, token: int = 5):
     return plan
 
 
-def test_control_plane_never_imports_torch():
+def test_control_plane_never_imports_torch(tmp_path):
     code = ("import sys, superinfer.engine.core.scheduler, superinfer.engine.core.policies, "
             "superinfer.engine.slo; print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == "False"
 
 

@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -103,7 +104,8 @@ class Kubelet:
 
     async def start(self, pod_name: str, args: list[str]) -> None:
         port = free_port()
-        cmd = [sys.executable, "-m", "superinfer.engine.cli", "serve", *local_args(args, port)]
+        # The console script, not `python -m` from the repo root (where operator/ shadows the stdlib).
+        cmd = [str(Path(sys.executable).parent / "superinfer"), "serve", *local_args(args, port)]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.DEVNULL,
                                                     stderr=asyncio.subprocess.DEVNULL)  # fmt: skip
         self.procs[pod_name] = (proc, port)
