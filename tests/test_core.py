@@ -224,6 +224,16 @@ def check_invariants(s: Scheduler) -> None:
     assert len(s.running) <= s.config.max_num_seqs
 
 
+def add_if_it_fits(s: Scheduler, added: list[str], prompt_len: int, max_tokens: int, first_token: int) -> None:
+    """Add a generated request; one that could never fit is rejected, as the server would."""
+    rid = f"r{len(added)}"
+    try:
+        s.add(make_request(rid, prompt_len, max_tokens=max_tokens, first_token=first_token))
+        added.append(rid)
+    except ValueError:
+        pass
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
@@ -242,12 +252,7 @@ def test_block_accounting_over_random_workloads(ops, num_blocks, budget, prefix)
     ended: dict[str, FinishReason] = {}
     for op in ops:
         if op[0] == "add":
-            rid = f"r{len(added)}"
-            try:
-                s.add(make_request(rid, op[1], max_tokens=op[2], first_token=op[3]))
-                added.append(rid)
-            except ValueError:
-                pass
+            add_if_it_fits(s, added, *op[1:])
         elif op[0] == "abort" and added:
             req = s.abort(added[op[1] % len(added)])
             if req is not None:

@@ -13,7 +13,7 @@ from superinfer.engine.core.policies import RotaryParams, RotaryPolicy, Watermar
 from superinfer.engine.core.request import Request, RequestStatus, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.slo import SLO
-from tests.test_core import make_request
+from tests.test_core import add_if_it_fits, make_request
 from tests.test_engine import engine, random_prompts, run
 
 BS = 4
@@ -200,12 +200,7 @@ def test_two_tier_invariants_over_random_workloads(ops, num_blocks, cpu_blocks, 
 
     for op in ops:
         if op[0] == "add":
-            rid = f"r{len(added)}"
-            try:
-                s.add(make_request(rid, op[1], max_tokens=op[2], first_token=op[3]))
-                added.append(rid)
-            except ValueError:
-                pass
+            add_if_it_fits(s, added, *op[1:])
         elif op[0] == "abort" and added:
             if op[2]:
                 mid_flight_aborts.append((op[1], True))
