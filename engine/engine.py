@@ -100,7 +100,7 @@ class EngineCore:
                              f"(max_position_embeddings {mc.max_position_embeddings})")
 
         bs = config.block_size
-        block_bytes = mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        block_bytes = mc.kv_bytes_per_token(self.dtype.itemsize) * bs
         num_blocks = num_kv_blocks(config, loaded, block_bytes, self.device)
         num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:

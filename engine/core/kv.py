@@ -302,13 +302,12 @@ class KVCacheManager:
         taken += self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
         return taken, copies
 
-    def swap_in(self, req: Request, num_new_tokens: int, step: int) -> list[tuple[int, int]] | None:
-        """Bring a rotary request's KV back: copies (cpu, gpu), or None if the GPU pool is short.
+    def swap_in(self, req: Request, num_new_tokens: int, step: int) -> list[tuple[int, int]]:
+        """Bring a rotary request's KV back; returns the copies (cpu, gpu).
 
-        Its own full blocks still cached on the GPU are reused without a copy.
+        The caller has checked `swap_in_need` against the free pool. Its own full blocks still
+        cached on the GPU are reused without a copy.
         """
-        if self.swap_in_need(req, num_new_tokens)[0] > self.pool.num_free:
-            return None
         copies: list[tuple[int, int]] = []
         hashes = req.block_hashes
         for i, cpu_block in enumerate(req.cpu_block_ids):

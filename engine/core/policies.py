@@ -86,8 +86,14 @@ class RotaryPolicy:
         kv, p = sched.kv, self.params
         others = [*sched.waiting, *by_arrival(sched.rotary)]
         free = kv.num_free_blocks - sum(kv.growth_blocks(r, sched.next_tokens(r)) for r in sched.running)
-        need = {r.request_id: sched.block_need(r) for r in others}
-        if sum(need.values()) <= free:
+        need: dict[str, int] = {}
+        total = 0
+        for r in others:  # contention check; stops at the first sign of contention
+            need[r.request_id] = sched.block_need(r)
+            total += need[r.request_id]
+            if total > free:
+                break
+        else:
             return Decision(admit=by_arrival(others))  # no contention: plain FCFS, rotate nothing
 
         vlt = {r.request_id: virtual_lag_time(r, now, p) for r in [*sched.running, *others]}
@@ -95,9 +101,13 @@ class RotaryPolicy:
         left = free + p.transfer_budget_blocks
         admit = []
         for r in ranked:
-            if r.status is not RequestStatus.RUNNING and vlt[r.request_id] >= 0 and need[r.request_id] <= left:
-                admit.append(r)
-                left -= need[r.request_id]
+            if left <= 0:
+                break  # Prioritize is done: nothing more fits under free + B_xfer
+            if r.status is not RequestStatus.RUNNING and vlt[r.request_id] >= 0:
+                n = need[r.request_id] if r.request_id in need else sched.block_need(r)
+                if n <= left:
+                    admit.append(r)
+                    left -= n
         to_free = p.transfer_budget_blocks - left
         rotate_out = []
         for r in reversed(ranked):
