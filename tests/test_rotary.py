@@ -68,6 +68,24 @@ def test_cpu_tier_full_falls_back_to_recompute(unpressured):
     assert tight.kv.pool.num_free == tight.kv.num_blocks and tight.kv.cpu.num_free == 3
 
 
+def test_full_cpu_tier_with_chunked_prefill_does_not_livelock():
+    """Two requests that cannot share the GPU, a one-block CPU tier, two tokens per step: a
+    rotation that cannot swap must not turn into recompute ping-pong where nobody progresses."""
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(4, 2, 128, 100), KVCacheManager(10, 2, True, num_cpu_blocks=1),
+                  RotaryPolicy(RotaryParams(transfer_budget_blocks=100)), clock)
+    sampling = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    s.add(Request("A", list(range(3, 12)), sampling, 0.0))
+    for k in range(500):
+        if k == 6:
+            s.add(Request("B", list(range(60, 69)), sampling, clock.now))
+        step(s)
+        clock.now += 0.05
+        if not s.has_work:
+            break
+    assert not s.has_work, "both requests finish"
+
+
 # --- the rules of the policy on hand-made situations ----------------------------------------
 def test_virtual_lag_time():
     p = RotaryParams(alpha=3, beta_f=0.5, beta_b=0)

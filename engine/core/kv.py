@@ -308,19 +308,21 @@ class KVCacheManager:
         The caller has checked `swap_in_need` against the free pool. Its own full blocks still
         cached on the GPU are reused without a copy.
         """
-        copies: list[tuple[int, int]] = []
         hashes = req.block_hashes
-        for i, cpu_block in enumerate(req.cpu_block_ids):
-            on_gpu = self.pool.lookup(hashes[i])
-            if on_gpu is not None:
-                self.pool.touch(on_gpu)
-                req.block_ids.append(on_gpu)
-                continue
-            (block,) = self.pool.allocate(1)
-            if self.enable_prefix_caching:
-                self.pool.register(block, hashes[i])
+        # Take the blocks still cached on the GPU first: allocating a miss before them could
+        # evict one of them (they sit in the free list) and turn a hit into another copy.
+        hits = [self.pool.lookup(hashes[i]) for i in range(len(req.cpu_block_ids))]
+        for block in hits:
+            if block is not None:
+                self.pool.touch(block)
+        copies: list[tuple[int, int]] = []
+        for i, (cpu_block, block) in enumerate(zip(req.cpu_block_ids, hits, strict=True)):
+            if block is None:
+                (block,) = self.pool.allocate(1)
+                if self.enable_prefix_caching:
+                    self.pool.register(block, hashes[i])
+                copies.append((cpu_block, block))
             req.block_ids.append(block)
-            copies.append((cpu_block, block))
         if req.cpu_tail is not None:
             (block,) = self.pool.allocate(1)
             req.block_ids.append(block)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class Decision:
     rotate_out: list[Request] = field(default_factory=list)  # running decodes to move to the CPU tier
     admit: list[Request] = field(default_factory=list)  # waiting/rotary requests, in admission order
+    strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
 
 
 class Policy(Protocol):
@@ -116,7 +117,7 @@ class RotaryPolicy:
             if r.status is RequestStatus.RUNNING and r.in_decode:
                 rotate_out.append(r)
                 to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit)
+        return Decision(rotate_out, admit, strict_order=False)
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """Out of blocks mid-step: the candidate with the smallest VLT (the longest running)."""

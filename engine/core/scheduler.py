@@ -152,12 +152,11 @@ class Scheduler:
                      self.config.transfer_budget_blocks)
         decision = self.policy.decide(self, step.now)
         for req in decision.rotate_out:
-            if step.transfer_left < self.kv.swap_out_cost(req):
-                break
-            self._evict(req, step)
+            if not self._rotate_out(req, step):
+                break  # the CPU tier or the transfer budget is full: the rest keep running
         self._serve_running(step)
         if not step.preempted:
-            self._admit(decision.admit, step)
+            self._admit(decision.admit, step, decision.strict_order)
         if self.policy.uses_cpu_tier and self.kv.cpu is not None:
             for req in self.running:
                 if step.transfer_left <= 0:
@@ -186,7 +185,9 @@ class Scheduler:
                 self._take(req, n, step)
                 i += 1
 
-    def _admit(self, order: list[Request], step: _Step) -> None:
+    def _admit(self, order: list[Request], step: _Step, strict: bool) -> None:
+        """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
+        is skipped for the ones after it."""
         for req in order:
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
@@ -198,7 +199,9 @@ class Scheduler:
                     self._recompute(req)
             if req.status is RequestStatus.ROTARY:
                 if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
-                    return
+                    if strict:
+                        return
+                    continue
                 moved = self.kv.swap_in(req, n, step.id)
                 step.swap_in += moved
                 step.transfer_left -= len(moved)
@@ -208,7 +211,9 @@ class Scheduler:
                 num_cached = len(cached) * self.kv.block_size
                 n = min(req.num_tokens - num_cached, step.budget)
                 if not self.kv.allocate(req, n, cached):
-                    return
+                    if strict:
+                        return
+                    continue
                 self.waiting.remove(req)
                 req.num_computed_tokens = num_cached
                 if req.t_scheduled is None:
@@ -257,22 +262,29 @@ class Scheduler:
             sampling=req.sampling,
         ))
 
-    def _evict(self, req: Request, step: _Step) -> None:
-        """Take a running request off the GPU: rotate it to the CPU tier if the policy uses one
-        and it fits, else preempt it by recompute (its blocks freed, its tokens kept)."""
+    def _rotate_out(self, req: Request, step: _Step) -> bool:
+        """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
+        if step.transfer_left < self.kv.swap_out_cost(req):
+            return False
+        copies = self.kv.swap_out(req, step.id)
+        if copies is None:
+            return False
         self.running.remove(req)
-        copies = None
-        if self.policy.uses_cpu_tier and req.in_decode and step.transfer_left >= self.kv.swap_out_cost(req):
-            copies = self.kv.swap_out(req, step.id)
-        if copies is not None:
-            step.swap_out += copies
-            step.transfer_left -= len(copies)
-            req.status = RequestStatus.ROTARY
-            req.num_rotations += 1
-            self.counters.rotations += 1
-            self.counters.preemptions["swap"] += 1
-            self.rotary.append(req)
+        step.swap_out += copies
+        step.transfer_left -= len(copies)
+        req.status = RequestStatus.ROTARY
+        req.num_rotations += 1
+        self.counters.rotations += 1
+        self.counters.preemptions["swap"] += 1
+        self.rotary.append(req)
+        return True
+
+    def _evict(self, req: Request, step: _Step) -> None:
+        """A running request must give up its blocks (another ran out): rotate it to the CPU tier
+        if the policy uses one and it fits, else preempt it by recompute (blocks freed, tokens kept)."""
+        if self.policy.uses_cpu_tier and req.in_decode and self._rotate_out(req, step):
             return
+        self.running.remove(req)
         self._recompute(req)
 
     def _recompute(self, req: Request) -> None:
