@@ -297,6 +297,9 @@ class AsyncEngine:
                 self.core.add_request(rid, prompt, sampling, slo, priority, arrival)
             except ValueError as exc:
                 self._deliver([(rid, exc)])
+            except Exception as exc:  # a bug, not bad input: fail this request, keep serving
+                log.exception("could not add request %s", rid)
+                self._deliver([(rid, RuntimeError(f"internal error adding the request: {exc}"))])
         elif command[0] == "abort":
             self.core.abort(command[1])
 

@@ -115,7 +115,8 @@ class OpenAIServer:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "5"})
         bound = self.config.max_waiting_requests
-        if bound is not None and self.core.scheduler.num_waiting >= bound:
+        scheduler = self.core.scheduler
+        if bound is not None and self.engine.num_live - scheduler.num_running - scheduler.num_rotary >= bound:
             raise APIError(503, f"the server is overloaded: {bound} requests are already queued; retry later",
                            type="server_error", code="overloaded", headers={"Retry-After": "1"})
         try:
@@ -206,19 +207,21 @@ class OpenAIServer:
         stream: bool, include_usage: bool,
     ) -> web.StreamResponse:
         headers = {"x-request-id": fmt.rid}
-        try:
-            async with aclosing(outputs) as it:
+        async with aclosing(outputs) as it:
+            try:
                 if not stream:
-                    collected = [out async for out in it]
-                    return web.json_response(fmt.full(collected), headers=headers)
+                    return web.json_response(fmt.full([out async for out in it]), headers=headers)
                 first = await anext(it, None)  # errors before the first token still get a JSON status
-                resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                                   "Cache-Control": "no-cache"})
-                await resp.prepare(request)
-                start = fmt.start()
-                if start is not None:
-                    await resp.write(sse(start))
-                last = first
+            except (ValueError, EngineDeadError) as exc:
+                raise engine_error(exc) from exc
+            resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            start = fmt.start()
+            if start is not None:
+                await resp.write(sse(start))
+            last = first
+            try:
                 if first is not None:
                     await resp.write(sse(fmt.chunk(first)))
                     async for out in it:
@@ -226,13 +229,17 @@ class OpenAIServer:
                         last = out
                 if include_usage and last is not None:
                     await resp.write(sse(fmt.usage_chunk(last)))
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
-                return resp
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), type="server_error") from exc
+            except (ValueError, EngineDeadError) as exc:  # the status line is gone: report in-stream
+                await resp.write(sse(engine_error(exc).body()))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+
+def engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="server_error")
+    return APIError(400, str(exc))
 
 
 def sse(payload: dict[str, Any]) -> bytes:

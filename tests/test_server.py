@@ -12,6 +12,8 @@ import pytest
 
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
+from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.runner import StepOutput
 from superinfer.engine.server import RunningServer, start_server
 
 MODEL = "tiny-test"
@@ -213,6 +215,14 @@ async def test_drain_refuses_new_work(server, client):
     assert err.value.status_code == 503
 
 
+async def until(condition, timeout: float = 10.0) -> None:
+    """Wait (bounded) for a condition on the engine's state."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 async def test_queue_bound_answers_503_with_retry_after():
     running = await start_server(EngineConfig(model="tiny", device="cpu", port=0, num_gpu_blocks=16, max_num_seqs=1,
                                               max_waiting_requests=1, max_model_len=256))
@@ -221,10 +231,9 @@ async def test_queue_bound_answers_503_with_retry_after():
     try:
         async with aiohttp.ClientSession() as http:
             first = asyncio.create_task(http.post(running.url + c.COMPLETIONS_PATH, json=body))
+            await until(lambda: scheduler.num_running == 1)
             second = asyncio.create_task(http.post(running.url + c.COMPLETIONS_PATH, json=body))
-            deadline = time.monotonic() + 10
-            while not (scheduler.num_running == 1 and scheduler.num_waiting == 1) and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await until(lambda: scheduler.num_waiting == 1)  # queued behind the first (max_num_seqs=1)
             async with http.post(running.url + c.COMPLETIONS_PATH, json=body) as third:
                 assert third.status == 503 and third.headers["Retry-After"] == "1"
                 assert (await third.json())["error"]["code"] == "overloaded"
@@ -233,3 +242,27 @@ async def test_queue_bound_answers_503_with_retry_after():
         assert await all_blocks_free(running)
     finally:
         await running.close()
+
+
+async def test_engine_failure_mid_stream_ends_the_stream_with_an_error(server):
+    """A broken step kills the engine: live streams get an error event and [DONE], not a hang."""
+    runner = server.server.core.runner
+    real_execute, calls = runner.execute, []
+
+    def failing_execute(plan: StepPlan) -> StepOutput:
+        calls.append(plan.step_id)
+        if len(calls) == 4:
+            raise RuntimeError("simulated device failure")
+        return real_execute(plan)
+
+    runner.execute = failing_execute
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + c.COMPLETIONS_PATH, json=body) as resp:
+            raw = await asyncio.wait_for(resp.content.read(), 30)  # bounded: a hang fails the test
+        lines = [line for line in raw.decode().splitlines() if line]
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "error" in events[-1] and "simulated device failure" in events[-1]["error"]["message"]
+        assert lines[-1] == "data: [DONE]"
+        async with http.get(server.url + c.HEALTH_PATH) as health:
+            assert health.status == 503
