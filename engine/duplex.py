@@ -3,10 +3,13 @@
 Block-first layout makes one block (all layers) one contiguous region, so a copy is a slice of
 the cache tensor. Runs of consecutive blocks on both sides are coalesced into one copy each.
 On CUDA each direction has its own stream, so GPU->CPU and CPU->GPU are in flight together:
-- copy-in (CPU->GPU) runs first thing; the compute stream waits on its event (a GPU-side wait,
-  not a host sync) before the model reads the blocks;
+- copy-in (CPU->GPU) waits on the previous step's compute event (its destinations may have been
+  freed since that step was submitted); the compute stream waits on the copy-in event (a GPU-side
+  wait, not a host sync) before the model reads the blocks;
 - copy-out (GPU->CPU) waits on the previous step's compute event (blocks it wrote are final),
-  then overlaps with this step's compute; `finish()` waits for it before the step counts as done.
+  then overlaps with this step's compute;
+- `finish()` waits for this step's compute and both copies before the step counts as done (only
+  then may the scheduler retire the blocks it quarantined for this step).
 On CPU the same calls are plain tensor copies.
 """
 
@@ -78,6 +81,7 @@ class DuplexKV:
         if swap_in:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.in_stream):
+                self.in_stream.wait_event(self.compute_done)
                 begin.record()
                 copy_blocks(self.cpu, self.gpu, swap_in)
                 end.record()
@@ -97,6 +101,7 @@ class DuplexKV:
         stats = self._host
         if self.cuda:
             self.compute_done.record()
+            self.compute_done.synchronize()
             if self._pending_out is not None:
                 begin, end = self._pending_out
                 end.synchronize()

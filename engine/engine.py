@@ -185,8 +185,11 @@ class EngineCore:
             gap = None if live.t_last is None else now - live.t_last
             live.t_last = now
             live.stream.feed(req.output_token_ids[-1], last=req.is_finished)
-            if live.stream.stopped and not req.is_finished:
-                self.scheduler.finish(req.request_id, FinishReason.STOP)
+            if live.stream.stopped:  # a stop string matched (also on the very last token)
+                if req.is_finished:
+                    req.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(req.request_id, FinishReason.STOP)
             self.metrics.on_token(req, gap)
             if req.is_finished:
                 del self._live[req.request_id]

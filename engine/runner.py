@@ -124,7 +124,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._tensor(x.sample_rows)])
         params = [s.sampling for s in sampling]
         gens = [self._generator(s.request_id, s.sampling.seed) for s in sampling]
-        tokens, logprobs = sample(logits, params, gens)
+        tokens, logprobs = sample(logits, params, gens, [s.banned_token_ids for s in sampling])
 
         ids = [s.request_id for s in sampling]
         out = StepOutput(sampled=dict(zip(ids, tokens.tolist(), strict=True)))

@@ -24,35 +24,51 @@ class SampledLogprobs:
 
 
 def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus (the best token always stays)."""
+    """Mask logits outside each row's top-k, then outside the top-p nucleus of what is left
+    (renormalised, as HF and vLLM do). The best token always stays."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = rank >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small per-step tensor on the device without a blocking host-to-device copy."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    banned: Sequence[Sequence[int]] = (),
 ) -> tuple[torch.Tensor, SampledLogprobs | None]:
-    """Sample one token per row of float32 `logits` [N, vocab]."""
+    """Sample one token per row of float32 `logits` [N, vocab].
+
+    `banned[i]` are token ids row i may not produce (EOS and stop tokens before `min_tokens`).
+    Logprobs are those of the model, before banning, temperature and truncation.
+    """
     vocab = logits.shape[-1]
-    greedy = all(p.greedy for p in params)
-    if greedy:
-        tokens = logits.argmax(dim=-1)
+    scores = logits
+    if any(banned):
+        rows = [i for i, ids in enumerate(banned) for _ in ids]
+        cols = [t for ids in banned for t in ids]
+        scores = logits.index_put((_on(logits.device, rows, torch.long), _on(logits.device, cols, torch.long)),
+                                  torch.tensor(float("-inf"), device=logits.device))
+    if all(p.greedy for p in params):
+        tokens = scores.argmax(dim=-1)
     else:
         device = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        scaled = logits / temps[:, None]
+        temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
+        scaled = scores / temps[:, None]
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device)
+            top_k = _on(device, [p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long)
+            top_p = _on(device, [p.top_p for p in params], torch.float32)
             scaled = _truncate(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
@@ -60,9 +76,9 @@ def sample(
             if gen is not None:
                 noise[i].exponential_(generator=gen)
         tokens = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
-        if is_greedy.any():
-            tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
+        if any(p.greedy for p in params):
+            is_greedy = _on(device, [p.greedy for p in params], torch.bool)
+            tokens = torch.where(is_greedy, scores.argmax(dim=-1), tokens)
 
     want = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if want is None:

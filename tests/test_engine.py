@@ -148,3 +148,35 @@ def test_abort_frees_blocks_and_emits_nothing_more(tiny):
     tiny.abort("a")
     assert not tiny.has_work and tiny.kv.num_free_blocks == tiny.kv.num_blocks
     assert tiny.step() == []
+
+
+def test_top_p_applies_to_the_renormalised_top_k_set():
+    from superinfer.engine.sampling import _truncate
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    kept = _truncate(logits, torch.tensor([2]), torch.tensor([0.6])).isfinite()
+    assert kept.tolist() == [[True, False, False]]  # top-2 renormalised: 0.625 already covers 0.6
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached(tiny):
+    prompt = random_prompts(1, tiny.model_config.vocab_size, seed=12)["r0"]
+    first = run(tiny, {"g": prompt}, SamplingParams(max_tokens=1, temperature=0))["g"][0]
+    banned = SamplingParams(max_tokens=8, temperature=0, min_tokens=4, stop_token_ids=(first,))
+    out = run(tiny, {"b": prompt}, banned)["b"]
+    assert out[0] != first and len(out) >= 4
+    assert first not in out[:3]
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(tiny):
+    prompt = tiny.tokenizer.encode("Tell me about the sea")
+    tiny.add_request("full", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs = []
+    while tiny.has_work:
+        outs += tiny.step()
+    text = "".join(o.text for o in outs)
+    last_piece = outs[-1].text.strip() or text[-2:]
+    tiny.add_request("s", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop=(last_piece,)))
+    outs = []
+    while tiny.has_work:
+        outs += tiny.step()
+    assert outs[-1].finish_reason == "stop" and len(outs) == 6

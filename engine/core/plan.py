@@ -17,6 +17,7 @@ class ScheduledSeq:
     block_ids: list[int]  # the request's whole GPU block table after this step's allocation
     sample: bool  # the chunk reaches the request's newest token: sample the next one
     sampling: SamplingParams
+    banned_token_ids: tuple[int, ...] = ()  # not to be sampled yet (EOS and stop tokens before min_tokens)
 
     @property
     def num_tokens(self) -> int:

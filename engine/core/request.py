@@ -109,6 +109,13 @@ class Request:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the next sample may not be: EOS and stop tokens until `min_tokens` are out."""
+        if self.num_output_tokens >= self.sampling.min_tokens:
+            return ()
+        eos = () if self.sampling.ignore_eos else tuple(self.eos_token_ids)
+        return eos + self.sampling.stop_token_ids
+
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """Why the request must stop after its newest token, if it must (stop strings aside)."""
         if not self.output_token_ids:

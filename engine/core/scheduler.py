@@ -253,13 +253,15 @@ class Scheduler:
         req.num_computed_tokens += n
         step.budget -= n
         step.start_pos[req.request_id] = start
+        sample = req.num_computed_tokens == req.num_tokens
         step.seqs.append(ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids[start : start + n],
             start_pos=start,
             block_ids=list(req.block_ids),
-            sample=req.num_computed_tokens == req.num_tokens,
+            sample=sample,
             sampling=req.sampling,
+            banned_token_ids=req.banned_token_ids() if sample else (),
         ))
 
     def _rotate_out(self, req: Request, step: _Step) -> bool:
