@@ -138,10 +138,6 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
 
-    @property
-    def cpu_usage(self) -> float:
-        return self.cpu.num_used / self.cpu.num_blocks if self.cpu else 0.0
-
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
