@@ -109,8 +109,10 @@ def main() -> None:
     f["duplex_time_over_ideal"] = duplex_s / (moved / (1e9 * slowest_ideal))
     for k, v in f.items():
         print(f"{k:40s} {v:8.2f}")
-    goal = {"batched_share_of_ideal": ">= 0.9 for 2 MiB blocks",
-            "duplex_aggregate_over_one_way": ">= 1.7 on PCIe (vLLM ~1.67)"}
+    goal = {
+        "batched_share_of_ideal": ">= 0.9 for 2 MiB blocks",
+        "duplex_aggregate_over_one_way": ">= 1.7 on PCIe (vLLM ~1.67)",
+    }
     extra = {"model": args.model, "block_bytes": block_bytes, "blocks_each_way": n}
     print(f"wrote {write_result('copy', args.device, f, goal, extra)}")
 

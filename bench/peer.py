@@ -38,16 +38,23 @@ def run_engine(core: EngineCore, prompts: list[list[int]], output_tokens: int) -
     return time.perf_counter() - t0, list(outs.values())
 
 
-def run_transformers(model: torch.nn.Module, prompts: list[list[int]], output_tokens: int, device: str
-                     ) -> tuple[float, list[list[int]]]:
+def run_transformers(
+    model: torch.nn.Module, prompts: list[list[int]], output_tokens: int, device: str
+) -> tuple[float, list[list[int]]]:
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=output_tokens, min_new_tokens=output_tokens,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=output_tokens,
+            min_new_tokens=output_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     sync(device)
     return time.perf_counter() - t0, out[:, width:].tolist()
 
@@ -82,10 +89,13 @@ def main() -> None:
     tokens = args.prompts * args.output_tokens
     same = sum(a == b for a, b in zip(engine_out, hf_out, strict=True)) / len(prompts)
     figures = {
-        "prompts": args.prompts, "output_tokens": args.output_tokens,
+        "prompts": args.prompts,
+        "output_tokens": args.output_tokens,
         "prompt_tokens": sum(map(len, prompts)),
-        "engine_tok_s": tokens / engine_s, "transformers_generate_tok_s": tokens / hf_s,
-        "speedup": hf_s / engine_s, "greedy_outputs_identical_share": same,
+        "engine_tok_s": tokens / engine_s,
+        "transformers_generate_tok_s": tokens / hf_s,
+        "speedup": hf_s / engine_s,
+        "greedy_outputs_identical_share": same,
     }
     goal = {"speedup": ">= 3 on GPU (PERFORMANCE.md peer)"}
     out = write_result("peer", args.device, figures, goal, {"model": args.model, "dtype": args.dtype})

@@ -25,8 +25,9 @@ def device_name(device: str) -> str:
 def commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -44,8 +45,9 @@ def versions() -> dict[str, str]:
     return out
 
 
-def write_result(bench: str, device: str, figures: dict[str, Any], goal: dict[str, Any],
-                 extra: dict[str, Any] | None = None) -> Path:
+def write_result(
+    bench: str, device: str, figures: dict[str, Any], goal: dict[str, Any], extra: dict[str, Any] | None = None
+) -> Path:
     name = device_name(device)
     record = {
         "bench": bench,

@@ -1,7 +1,7 @@
 """Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
 
-    python -m bench.run            # CPU: peer, sched, slo (tiny model)
-    python -m bench.run --gpu      # GPU: step, copy, slo (llama-3-8b dummy weights), GPU tests
+python -m bench.run            # CPU: peer, sched, slo (tiny model)
+python -m bench.run --gpu      # GPU: step, copy, slo (llama-3-8b dummy weights), GPU tests
 """
 
 from __future__ import annotations

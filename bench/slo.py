@@ -26,31 +26,55 @@ from superinfer.engine.workload import load_trace, poisson_workload, prompt_toke
 def run_point(args: argparse.Namespace, policy: str, rate: float) -> dict[str, float]:
     slo = SLO(args.ttft_slo_ms, args.tbt_slo_ms)
     cpu = args.device == "cpu"
-    config = EngineConfig(model=args.model, device=args.device, dummy_weights=not cpu, policy=policy,
-                          num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                          cpu_kv_gib=args.cpu_kv_gib, max_model_len=args.max_model_len,
-                          ttft_slo_ms=slo.ttft_ms, tbt_slo_ms=slo.tbt_ms)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dummy_weights=not cpu,
+        policy=policy,
+        num_gpu_blocks=args.num_gpu_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_gib=args.cpu_kv_gib,
+        max_model_len=args.max_model_len,
+        ttft_slo_ms=slo.ttft_ms,
+        tbt_slo_ms=slo.tbt_ms,
+    )
     core = EngineCore(config, clock=VirtualClock()) if cpu else EngineCore(config)
     if args.trace:
         items = load_trace(args.trace, rate, slo, seed=args.seed)
     else:
-        items = poisson_workload(rate, args.duration, slo, seed=args.seed, prompt_median=args.prompt_median,
-                                 output_median=args.output_median, max_prompt=args.max_prompt,
-                                 max_output=args.max_output)
+        items = poisson_workload(
+            rate,
+            args.duration,
+            slo,
+            seed=args.seed,
+            prompt_median=args.prompt_median,
+            output_median=args.output_median,
+            max_prompt=args.max_prompt,
+            max_output=args.max_output,
+        )
     prompts = prompt_tokens(items, core.model_config.vocab_size, seed=args.seed)
     timings, duration = replay(core, items, prompts, StepCost() if cpu else None)
     report = summarize(timings, duration)
     counters = core.scheduler.counters
     reg, name = core.metrics.registry, core.config.model_name
     for direction in ("gpu_to_cpu", "cpu_to_gpu"):
-        moved = reg.get_sample_value("superinfer_engine_kv_swap_bytes_total",
-                                     {"model_name": name, "direction": direction}) or 0.0
+        moved = (
+            reg.get_sample_value("superinfer_engine_kv_swap_bytes_total", {"model_name": name, "direction": direction})
+            or 0.0
+        )
         report[f"swap_gb_s_{direction}"] = moved / duration / 1e9
-    report.update(rate=rate, rotations=counters.rotations, recomputes=counters.preemptions["recompute"],
-                  num_gpu_blocks=core.kv.num_blocks)
-    print(f"{policy:9s} rate {rate:6.1f}: TTFT att {report['ttft_attainment']:.2f}  TBT att "
-          f"{report['tbt_attainment']:.2f}  TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput "
-          f"{report['throughput_tok_s']:.0f} tok/s  rotations {counters.rotations}", flush=True)
+    report.update(
+        rate=rate,
+        rotations=counters.rotations,
+        recomputes=counters.preemptions["recompute"],
+        num_gpu_blocks=core.kv.num_blocks,
+    )
+    print(
+        f"{policy:9s} rate {rate:6.1f}: TTFT att {report['ttft_attainment']:.2f}  TBT att "
+        f"{report['tbt_attainment']:.2f}  TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput "
+        f"{report['throughput_tok_s']:.0f} tok/s  rotations {counters.rotations}",
+        flush=True,
+    )
     return report
 
 
@@ -76,10 +100,26 @@ def main() -> None:
     args = parser.parse_args()
     cpu = args.device == "cpu"
     # CPU defaults: the tiny model with a 64-block KV budget; lengths scaled down ~4x.
-    defaults = {"model": "tiny", "rates": "4,8,12", "duration": 20.0, "num_gpu_blocks": 64, "cpu_kv_gib": 1.0,
-                "max_model_len": 1024, "prompt_median": 40.0, "output_median": 60.0} if cpu else {
-                "model": "llama-3-8b", "rates": "35,45,60", "duration": 60.0, "prompt_median": 150.0,
-                "output_median": 200.0}
+    defaults = (
+        {
+            "model": "tiny",
+            "rates": "4,8,12",
+            "duration": 20.0,
+            "num_gpu_blocks": 64,
+            "cpu_kv_gib": 1.0,
+            "max_model_len": 1024,
+            "prompt_median": 40.0,
+            "output_median": 60.0,
+        }
+        if cpu
+        else {
+            "model": "llama-3-8b",
+            "rates": "35,45,60",
+            "duration": 60.0,
+            "prompt_median": 150.0,
+            "output_median": 200.0,
+        }
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -94,16 +134,29 @@ def main() -> None:
         figures["top_rate_ttft_gain_points"] = 100 * (top["rotary"]["ttft_attainment"] - top["fcfs"]["ttft_attainment"])
         figures["top_rate_tbt_delta_points"] = 100 * (top["rotary"]["tbt_attainment"] - top["fcfs"]["tbt_attainment"])
         figures["top_rate_throughput_ratio"] = top["rotary"]["throughput_tok_s"] / top["fcfs"]["throughput_tok_s"]
-        print(f"top rate: rotary vs fcfs TTFT attainment {figures['top_rate_ttft_gain_points']:+.1f} points, "
-              f"TBT {figures['top_rate_tbt_delta_points']:+.1f} points, "
-              f"throughput x{figures['top_rate_throughput_ratio']:.2f}")
-    goal = {"ttft_gain_points": ">= +75 on the GH200 profile, >= +40 on PCIe H100/H200",
-            "tbt": "no worse than fcfs", "throughput_ratio": ">= 1.0"}
-    extra = {"model": args.model, "clock": "virtual (StepCost defaults)" if cpu else "wall",
-             "workload": {"rates": rates, "duration_s": args.duration, "seed": args.seed,
-                          "trace": str(args.trace) if args.trace else "synthetic lognormal",
-                          "prompt_median": args.prompt_median, "output_median": args.output_median,
-                          "slo_ms": [args.ttft_slo_ms, args.tbt_slo_ms]}}
+        print(
+            f"top rate: rotary vs fcfs TTFT attainment {figures['top_rate_ttft_gain_points']:+.1f} points, "
+            f"TBT {figures['top_rate_tbt_delta_points']:+.1f} points, "
+            f"throughput x{figures['top_rate_throughput_ratio']:.2f}"
+        )
+    goal = {
+        "ttft_gain_points": ">= +75 on the GH200 profile, >= +40 on PCIe H100/H200",
+        "tbt": "no worse than fcfs",
+        "throughput_ratio": ">= 1.0",
+    }
+    extra = {
+        "model": args.model,
+        "clock": "virtual (StepCost defaults)" if cpu else "wall",
+        "workload": {
+            "rates": rates,
+            "duration_s": args.duration,
+            "seed": args.seed,
+            "trace": str(args.trace) if args.trace else "synthetic lognormal",
+            "prompt_median": args.prompt_median,
+            "output_median": args.output_median,
+            "slo_ms": [args.ttft_slo_ms, args.tbt_slo_ms],
+        },
+    }
     print(f"wrote {write_result('slo', args.device, figures, goal, extra)}")
 
 

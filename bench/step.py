@@ -86,10 +86,17 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     args = parser.parse_args()
     device = torch.device(args.device)
-    core = EngineCore(EngineConfig(model=args.model, device=args.device, dummy_weights=args.model != "tiny",
-                                   max_num_seqs=512, max_num_batched_tokens=max(args.prefill_tokens, 8192),
-                                   max_model_len=max(args.context + args.steps, args.prefill_tokens) + 8,
-                                   gpu_memory_utilization=0.92))
+    core = EngineCore(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dummy_weights=args.model != "tiny",
+            max_num_seqs=512,
+            max_num_batched_tokens=max(args.prefill_tokens, 8192),
+            max_model_len=max(args.context + args.steps, args.prefill_tokens) + 8,
+            gpu_memory_utilization=0.92,
+        )
+    )
     mc = core.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
     kv_per_token = mc.kv_bytes_per_token(core.dtype.itemsize)
@@ -104,17 +111,26 @@ def main() -> None:
         figures[f"decode_b{b}_ms"] = 1000 * seconds
         figures[f"decode_b{b}_tok_s"] = b / seconds
         figures[f"decode_b{b}_share_of_roofline"] = bound / seconds
-        print(f"decode B={b:4d}: {1000 * seconds:8.2f} ms/step  {b / seconds:9.0f} tok/s  "
-              f"roofline share {bound / seconds:.2f}", flush=True)
+        print(
+            f"decode B={b:4d}: {1000 * seconds:8.2f} ms/step  {b / seconds:9.0f} tok/s  "
+            f"roofline share {bound / seconds:.2f}",
+            flush=True,
+        )
     seconds = prefill(core, args.prefill_tokens)
     flops = 2 * mc.num_params() * args.prefill_tokens
     figures["prefill_tok_s"] = args.prefill_tokens / seconds
     figures["prefill_share_of_bf16_peak"] = flops / seconds / BF16_PEAK_FLOPS
-    print(f"prefill {args.prefill_tokens} tokens: {figures['prefill_tok_s']:.0f} tok/s, "
-          f"{figures['prefill_share_of_bf16_peak']:.2%} of bf16 peak")
+    print(
+        f"prefill {args.prefill_tokens} tokens: {figures['prefill_tok_s']:.0f} tok/s, "
+        f"{figures['prefill_share_of_bf16_peak']:.2%} of bf16 peak"
+    )
     goal = {"decode_b64_share_of_roofline": ">= 0.8", "prefill_share_of_bf16_peak": ">= 0.55"}
-    extra = {"model": args.model, "context": args.context, "dtype": str(core.dtype).split(".")[-1],
-             "attention": "torch reference (gather + SDPA); Triton kernels pending"}
+    extra = {
+        "model": args.model,
+        "context": args.context,
+        "dtype": str(core.dtype).split(".")[-1],
+        "attention": "torch reference (gather + SDPA); Triton kernels pending",
+    }
     print(f"wrote {write_result('step', args.device, figures, goal, extra)}")
 
 

@@ -17,8 +17,14 @@ import torch.nn.functional as F
 
 
 def allocate_kv_cache(
-    num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False,
+    num_blocks: int,
+    num_layers: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    pin_memory: bool = False,
 ) -> torch.Tensor:
     shape = (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)
     if pin_memory:
@@ -83,8 +89,8 @@ class PagedAttention:
         values = self.v_rows.index_select(0, index).view(shape).transpose(1, 2)
         return keys, values
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
-                ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, L, D] over keys/values [B, Hk, S, D]; `visible` masks keys (True = attend)."""
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible,
-                                              scale=self.scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible, scale=self.scale, enable_gqa=True
+        )

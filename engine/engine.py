@@ -87,8 +87,12 @@ class EngineCore:
         self.clock = clock
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, dtype=None if config.dtype == "auto" else config.dtype,
-                            device=str(self.device), dummy=config.dummy_weights)
+        loaded = load_model(
+            config.model,
+            dtype=None if config.dtype == "auto" else config.dtype,
+            device=str(self.device),
+            dummy=config.dummy_weights,
+        )
         mc = self.model_config = loaded.config
         self.model_path = loaded.path
         self.dtype = next(loaded.model.parameters()).dtype
@@ -96,8 +100,10 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"--max-model-len {self.max_model_len} is longer than this model's context "
-                             f"(max_position_embeddings {mc.max_position_embeddings})")
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} is longer than this model's context "
+                f"(max_position_embeddings {mc.max_position_embeddings})"
+            )
 
         bs = config.block_size
         block_bytes = mc.kv_bytes_per_token(self.dtype.itemsize) * bs
@@ -109,48 +115,81 @@ class EngineCore:
         kv_cache = allocate_kv_cache(num_blocks, *shape, self.dtype, self.device)
         cpu_cache = None
         if num_cpu_blocks:
-            cpu_cache = allocate_kv_cache(num_cpu_blocks, *shape, self.dtype, "cpu",
-                                          pin_memory=self.device.type == "cuda")
+            cpu_cache = allocate_kv_cache(
+                num_cpu_blocks, *shape, self.dtype, "cpu", pin_memory=self.device.type == "cuda"
+            )
         self.block_bytes = block_bytes
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_cpu_blocks)
-        rotary = RotaryParams(config.rotary_alpha, config.rotary_beta_f, config.rotary_beta_b,
-                              config.transfer_budget_blocks)
+        rotary = RotaryParams(
+            config.rotary_alpha, config.rotary_beta_f, config.rotary_beta_b, config.transfer_budget_blocks
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.transfer_budget_blocks),
-            self.kv, make_policy(config.policy, rotary, num_blocks), clock,
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.transfer_budget_blocks
+            ),
+            self.kv,
+            make_policy(config.policy, rotary, num_blocks),
+            clock,
         )
         self.runner = ModelRunner(loaded.model, kv_cache, bs, scale=mc.head_dim**-0.5, cpu_cache=cpu_cache)
         if num_cpu_blocks and config.transfer_budget_blocks < self.kv.blocks_for(self.max_model_len):
-            log.warning("--transfer-budget-blocks %d is smaller than one full-length request (%d blocks): "
-                        "such requests come back from the CPU tier by recompute", config.transfer_budget_blocks,
-                        self.kv.blocks_for(self.max_model_len))
+            log.warning(
+                "--transfer-budget-blocks %d is smaller than one full-length request (%d blocks): "
+                "such requests come back from the CPU tier by recompute",
+                config.transfer_budget_blocks,
+                self.kv.blocks_for(self.max_model_len),
+            )
         self.default_slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
         self.metrics = EngineMetrics(
-            config.model_name, self.default_slo, vllm_compat=config.metrics_compat == "vllm",
-            info={"policy": config.policy, "device": str(self.device), "dtype": str(self.dtype).split(".")[-1],
-                  "block_size": str(bs), "num_gpu_blocks": str(num_blocks), "num_cpu_blocks": str(num_cpu_blocks),
-                  "architecture": mc.architecture},
+            config.model_name,
+            self.default_slo,
+            vllm_compat=config.metrics_compat == "vllm",
+            info={
+                "policy": config.policy,
+                "device": str(self.device),
+                "dtype": str(self.dtype).split(".")[-1],
+                "block_size": str(bs),
+                "num_gpu_blocks": str(num_blocks),
+                "num_cpu_blocks": str(num_cpu_blocks),
+                "architecture": mc.architecture,
+            },
         )
         self._live: dict[str, _Live] = {}
-        log.info("engine ready: %s on %s (%s), policy %s, %d GPU + %d CPU KV blocks of %d tokens", config.model,
-                 self.device, self.dtype, config.policy, num_blocks, num_cpu_blocks, bs)
+        log.info(
+            "engine ready: %s on %s (%s), policy %s, %d GPU + %d CPU KV blocks of %d tokens",
+            config.model,
+            self.device,
+            self.dtype,
+            config.policy,
+            num_blocks,
+            num_cpu_blocks,
+            bs,
+        )
 
     # --- requests ----------------------------------------------------------------------------
     def validate(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         self.scheduler.check_fits(num_prompt_tokens, sampling.max_tokens)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        slo: SLO | None = None, priority: int = 0, arrival_time: float | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        slo: SLO | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> None:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         req = Request(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
-            eos_token_ids=self.eos_token_ids, slo=slo or self.default_slo, priority=priority,
+            eos_token_ids=self.eos_token_ids,
+            slo=slo or self.default_slo,
+            priority=priority,
         )
         self.scheduler.add(req)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
@@ -195,16 +234,24 @@ class EngineCore:
                 del self._live[req.request_id]
                 self.metrics.on_finish(req, now)
             lp = result.logprobs.get(req.request_id)
-            outputs.append(RequestOutput(
-                request_id=req.request_id, text=live.stream.take(req.is_finished),
-                token_ids=[req.output_token_ids[-1]], logprobs=[lp] if lp else None,
-                finished=req.is_finished,
-                finish_reason=req.finish_reason.value if req.finish_reason else None,
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-            ))
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    text=live.stream.take(req.is_finished),
+                    token_ids=[req.output_token_ids[-1]],
+                    logprobs=[lp] if lp else None,
+                    finished=req.is_finished,
+                    finish_reason=req.finish_reason.value if req.finish_reason else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
         self.metrics.on_step(
-            self.scheduler, self.kv, result.copies, self.block_bytes,
+            self.scheduler,
+            self.kv,
+            result.copies,
+            self.block_bytes,
             phase_seconds={**phase_seconds, "update": time.perf_counter() - t2},
         )
         return outputs
@@ -241,8 +288,12 @@ class AsyncEngine:
             self._thread = None
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        slo: SLO | None = None, priority: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        slo: SLO | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it."""
         if self.error is not None:

@@ -27,10 +27,20 @@ class LoadRequest:
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, base_url: str, model: str, req: LoadRequest,
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    req: LoadRequest,
 ) -> RequestTiming:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True, "slo": {"ttft_ms": req.slo.ttft_ms, "tbt_ms": req.slo.tbt_ms}}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+        "slo": {"ttft_ms": req.slo.ttft_ms, "tbt_ms": req.slo.tbt_ms},
+    }
     sent = time.monotonic()
     times: list[float] = []
     async with session.post(base_url + COMPLETIONS_PATH, json=body) as resp:

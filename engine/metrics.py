@@ -15,8 +15,27 @@ from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft,
 if TYPE_CHECKING:
     from superinfer.engine.duplex import CopyStats
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -33,8 +52,7 @@ class EngineMetrics:
             return Counter(c.metric(name), name.replace("_", " "), [label, *labels], registry=reg)
 
         def histogram(name: str, buckets: tuple[float, ...] | list[float], *labels: str) -> Histogram:
-            return Histogram(c.metric(name), name.replace("_", " "), [label, *labels], buckets=buckets,
-                             registry=reg)
+            return Histogram(c.metric(name), name.replace("_", " "), [label, *labels], buckets=buckets, registry=reg)
 
         self.gauges = {name: gauge(name, *labels) for name, labels in c.GAUGES.items()}
         self.counters = {name: counter(name, *labels) for name, labels in c.COUNTERS.items()}
@@ -60,12 +78,13 @@ class EngineMetrics:
                 "running": Gauge("vllm:num_requests_running", "running requests", vl, registry=reg),
                 "waiting": Gauge("vllm:num_requests_waiting", "waiting requests", vl, registry=reg),
                 "kv": Gauge("vllm:kv_cache_usage_perc", "GPU KV cache usage (0-1)", vl, registry=reg),
-                "ttft": Histogram("vllm:time_to_first_token_seconds", "TTFT", vl, buckets=ttft_buckets,
-                                  registry=reg),
-                "itl": Histogram("vllm:inter_token_latency_seconds", "inter-token latency", vl,
-                                 buckets=tbt_buckets, registry=reg),
-                "e2e": Histogram("vllm:e2e_request_latency_seconds", "end-to-end latency", vl,
-                                 buckets=LATENCY_BUCKETS, registry=reg),
+                "ttft": Histogram("vllm:time_to_first_token_seconds", "TTFT", vl, buckets=ttft_buckets, registry=reg),
+                "itl": Histogram(
+                    "vllm:inter_token_latency_seconds", "inter-token latency", vl, buckets=tbt_buckets, registry=reg
+                ),
+                "e2e": Histogram(
+                    "vllm:e2e_request_latency_seconds", "end-to-end latency", vl, buckets=LATENCY_BUCKETS, registry=reg
+                ),
                 "prompt": Counter("vllm:prompt_tokens", "prompt tokens", vl, registry=reg),
                 "generation": Counter("vllm:generation_tokens", "generated tokens", vl, registry=reg),
             }
@@ -89,7 +108,11 @@ class EngineMetrics:
             getattr(self._child(self.vllm[key]), method)(value)
 
     def on_step(
-        self, sched: Scheduler, kv: KVCacheManager, copies: CopyStats, block_bytes: int,
+        self,
+        sched: Scheduler,
+        kv: KVCacheManager,
+        copies: CopyStats,
+        block_bytes: int,
         phase_seconds: dict[str, float],
     ) -> None:
         self._g("requests_running").set(sched.num_running)
@@ -111,8 +134,10 @@ class EngineMetrics:
         if counters.rotations > self._seen.rotations:
             self._c("rotations").inc(counters.rotations - self._seen.rotations)
             self._seen.rotations = counters.rotations
-        for direction, blocks, seconds in (("gpu_to_cpu", copies.blocks_out, copies.seconds_out),
-                                           ("cpu_to_gpu", copies.blocks_in, copies.seconds_in)):
+        for direction, blocks, seconds in (
+            ("gpu_to_cpu", copies.blocks_out, copies.seconds_out),
+            ("cpu_to_gpu", copies.blocks_in, copies.seconds_in),
+        ):
             if blocks:
                 self._c("kv_swap_bytes", direction).inc(blocks * block_bytes)
                 self._child(self.swap_seconds, direction).observe(seconds)

@@ -17,8 +17,13 @@ class APIError(Exception):
     """An error with an HTTP status and the OpenAI error body fields."""
 
     def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
@@ -85,9 +90,16 @@ class _Common(BaseModel):
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                seed=self.seed, stop=self.stops(), stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                stop=self.stops(),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
@@ -113,8 +125,12 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise APIError(400, "unsupported parameter: batched prompts (a list of several prompts) "
-                               "are not supported; send one request per prompt", param="prompt")
+                raise APIError(
+                    400,
+                    "unsupported parameter: batched prompts (a list of several prompts) "
+                    "are not supported; send one request per prompt",
+                    param="prompt",
+                )
             p = p[0]
         if not p:
             raise APIError(400, "the prompt is empty", param="prompt")

@@ -43,8 +43,9 @@ class StepCost:
         return max(compute, copies)
 
 
-def replay(core: EngineCore, items: Sequence[WorkItem], prompts: Sequence[list[int]],
-           cost: StepCost | None = None) -> tuple[list[RequestTiming], float]:
+def replay(
+    core: EngineCore, items: Sequence[WorkItem], prompts: Sequence[list[int]], cost: StepCost | None = None
+) -> tuple[list[RequestTiming], float]:
     """Run every item to completion; returns per-request timings and the run's duration.
 
     With a VirtualClock engine, time advances by `cost` per step; with a real clock, arrivals
@@ -79,6 +80,7 @@ def replay(core: EngineCore, items: Sequence[WorkItem], prompts: Sequence[list[i
             clock.now += cost(plan)
         for out in core.complete(plan, result, {"execute": time.perf_counter() - t0}):
             token_times[out.request_id].append(clock())
-    timings = [RequestTiming(start + items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo)
-               for i in range(len(items))]
+    timings = [
+        RequestTiming(start + items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo) for i in range(len(items))
+    ]
     return timings, clock() - start

@@ -68,8 +68,14 @@ def _gather_inputs(plan: StepPlan, block_size: int) -> _StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, scale: float,
-                 cpu_cache: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        scale: float,
+        cpu_cache: torch.Tensor | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.duplex = DuplexKV(kv_cache, cpu_cache)

@@ -58,8 +58,10 @@ def sample(
     if any(banned):
         rows = [i for i, ids in enumerate(banned) for _ in ids]
         cols = [t for ids in banned for t in ids]
-        scores = logits.index_put((_on(logits.device, rows, torch.long), _on(logits.device, cols, torch.long)),
-                                  torch.tensor(float("-inf"), device=logits.device))
+        scores = logits.index_put(
+            (_on(logits.device, rows, torch.long), _on(logits.device, cols, torch.long)),
+            torch.tensor(float("-inf"), device=logits.device),
+        )
     if all(p.greedy for p in params):
         tokens = scores.argmax(dim=-1)
     else:

@@ -87,8 +87,12 @@ class OpenAIServer:
     async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.config.api_key
         if key and request.path.startswith("/v1/") and request.headers.get("Authorization") != f"Bearer {key}":
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
         return await handler(request)
 
     # --- plain endpoints -------------------------------------------------------------------
@@ -106,8 +110,14 @@ class OpenAIServer:
         return web.Response(body=self.core.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "superinfer",
-                "root": self.config.model, "max_model_len": self.core.max_model_len}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "superinfer",
+            "root": self.config.model,
+            "max_model_len": self.core.max_model_len,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     # --- generation ------------------------------------------------------------------------
@@ -117,8 +127,13 @@ class OpenAIServer:
         bound = self.config.max_waiting_requests
         scheduler = self.core.scheduler
         if bound is not None and self.engine.num_live - scheduler.num_running - scheduler.num_rotary >= bound:
-            raise APIError(503, f"the server is overloaded: {bound} requests are already queued; retry later",
-                           type="server_error", code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"the server is overloaded: {bound} requests are already queued; retry later",
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         try:
             raw = await request.json()
         except json.JSONDecodeError as exc:
@@ -134,8 +149,13 @@ class OpenAIServer:
                 raise APIError(400, f"unrecognized request argument: {loc!r}", param=loc) from exc
             raise APIError(400, f"invalid value for {loc!r}: {errors[0]['msg']}", param=loc) from exc
         if body.model != self.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", type="not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         body.check_supported()
         return body
 
@@ -158,16 +178,26 @@ class OpenAIServer:
     def _max_tokens(self, requested: int | None, num_prompt: int) -> int:
         room = self.core.max_model_len - num_prompt
         if room < 1:
-            raise APIError(400, f"this model's maximum context length is {self.core.max_model_len} tokens; "
-                           f"the prompt has {num_prompt} tokens", param="messages", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.core.max_model_len} tokens; "
+                f"the prompt has {num_prompt} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if requested is None:
             return room
         if requested < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
         if requested > room:
-            raise APIError(400, f"this model's maximum context length is {self.core.max_model_len} tokens; "
-                           f"you requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
-                           f"{requested} for the completion)", param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.core.max_model_len} tokens; "
+                f"you requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
+                f"{requested} for the completion)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return requested
 
     def _tokenizer(self) -> Tokenizer:
@@ -203,8 +233,12 @@ class OpenAIServer:
         return await self._respond(request, outputs, fmt, body.stream, usage)
 
     async def _respond(
-        self, request: web.Request, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat,
-        stream: bool, include_usage: bool,
+        self,
+        request: web.Request,
+        outputs: AsyncIterator[RequestOutput],
+        fmt: CompletionFormat,
+        stream: bool,
+        include_usage: bool,
     ) -> web.StreamResponse:
         headers = {"x-request-id": fmt.rid}
         async with aclosing(outputs) as it:
@@ -214,8 +248,9 @@ class OpenAIServer:
                 first = await anext(it, None)  # errors before the first token still get a JSON status
             except (ValueError, EngineDeadError) as exc:
                 raise engine_error(exc) from exc
-            resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+            resp = web.StreamResponse(
+                headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
             await resp.prepare(request)
             start = fmt.start()
             if start is not None:
@@ -247,9 +282,12 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
 
 
 class CompletionFormat:
@@ -266,8 +304,13 @@ class CompletionFormat:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
 
     def _envelope(self, choices: list[dict[str, Any]], obj: str | None = None) -> dict[str, Any]:
-        return {"id": self.rid, "object": obj or self.object_name, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.rid,
+            "object": obj or self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def logprobs(self, items: list[TokenLogprob] | None, text_offset: int) -> dict[str, Any] | None:
         if items is None:
@@ -277,16 +320,23 @@ class CompletionFormat:
         for tok in tokens:
             offsets.append(text_offset)
             text_offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
-                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in items],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in items],
+            "text_offset": offsets,
+        }
 
     def start(self) -> dict[str, Any] | None:
         return None
 
     def chunk(self, out: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "text": out.text, "logprobs": self.logprobs(out.logprobs, self.offset),
-                  "finish_reason": out.finish_reason}
+        choice = {
+            "index": 0,
+            "text": out.text,
+            "logprobs": self.logprobs(out.logprobs, self.offset),
+            "finish_reason": out.finish_reason,
+        }
         self.offset += len(out.text)
         return self._envelope([choice])
 
@@ -296,8 +346,12 @@ class CompletionFormat:
     def full(self, outs: list[RequestOutput]) -> dict[str, Any]:
         last = outs[-1]
         lps = [lp for o in outs for lp in (o.logprobs or [])] if last.logprobs is not None else None
-        choice = {"index": 0, "text": "".join(o.text for o in outs), "logprobs": self.logprobs(lps, 0),
-                  "finish_reason": last.finish_reason}
+        choice = {
+            "index": 0,
+            "text": "".join(o.text for o in outs),
+            "logprobs": self.logprobs(lps, 0),
+            "finish_reason": last.finish_reason,
+        }
         return {**self._envelope([choice]), "usage": _usage(last)}
 
 
@@ -314,23 +368,39 @@ class ChatFormat(CompletionFormat):
             text = self._token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in items]}
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items
+            ]
+        }
 
     def start(self) -> dict[str, Any] | None:
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}])
+        return self._envelope(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
 
     def chunk(self, out: RequestOutput) -> dict[str, Any]:
         delta = {"content": out.text} if out.text or not out.finished else {}
-        return self._envelope([{"index": 0, "delta": delta, "logprobs": self.logprobs(out.logprobs, 0),
-                                "finish_reason": out.finish_reason}])
+        return self._envelope(
+            [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": self.logprobs(out.logprobs, 0),
+                    "finish_reason": out.finish_reason,
+                }
+            ]
+        )
 
     def full(self, outs: list[RequestOutput]) -> dict[str, Any]:
         last = outs[-1]
         lps = [lp for o in outs for lp in (o.logprobs or [])] if last.logprobs is not None else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                  "logprobs": self.logprobs(lps, 0), "finish_reason": last.finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+            "logprobs": self.logprobs(lps, 0),
+            "finish_reason": last.finish_reason,
+        }
         return {**self._envelope([choice], "chat.completion"), "usage": _usage(last)}
 
 

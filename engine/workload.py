@@ -44,8 +44,16 @@ def lognormal_lengths(n: int, median: float, sigma: float, lo: int, hi: int, see
     return [min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
-def poisson_workload(rate: float, duration_s: float, slo: SLO, seed: int = 0, prompt_median: float = 150,
-                     output_median: float = 200, max_prompt: int = 1024, max_output: int = 8192) -> list[WorkItem]:
+def poisson_workload(
+    rate: float,
+    duration_s: float,
+    slo: SLO,
+    seed: int = 0,
+    prompt_median: float = 150,
+    output_median: float = 200,
+    max_prompt: int = 1024,
+    max_output: int = 8192,
+) -> list[WorkItem]:
     """The protocol's open-loop load: Poisson arrivals over `duration_s`, synthetic lengths."""
     n = max(1, round(rate * duration_s))
     arrivals = [t for t in gamma_arrivals(rate, n, seed) if t <= duration_s] or [0.0]
@@ -54,9 +62,17 @@ def poisson_workload(rate: float, duration_s: float, slo: SLO, seed: int = 0, pr
     return [WorkItem(t, p, o, slo) for t, p, o in zip(arrivals, prompts, outputs, strict=True)]
 
 
-def burst_workload(slo: SLO, seed: int = 0, long_requests: int = 6, long_output: int = 240, burst: int = 24,
-                   burst_start_s: float = 0.5, burst_rate: float = 40.0, prompt_len: tuple[int, int] = (16, 64),
-                   burst_output: int = 24) -> list[WorkItem]:
+def burst_workload(
+    slo: SLO,
+    seed: int = 0,
+    long_requests: int = 6,
+    long_output: int = 240,
+    burst: int = 24,
+    burst_start_s: float = 0.5,
+    burst_rate: float = 40.0,
+    prompt_len: tuple[int, int] = (16, 64),
+    burst_output: int = 24,
+) -> list[WorkItem]:
     """Head-of-line blocking in miniature: long decodes fill KV memory, then a burst arrives."""
     rng = random.Random(seed)
     items = [WorkItem(0.01 * i, rng.randint(*prompt_len), long_output, slo) for i in range(long_requests)]
@@ -71,8 +87,9 @@ def prompt_tokens(items: Sequence[WorkItem], vocab_size: int, seed: int = 0) -> 
     return [[rng.randrange(16, vocab_size) for _ in range(item.prompt_len)] for item in items]
 
 
-def load_trace(path: Path, rate: float, slo: SLO, tokens_per_char: float = 0.25, seed: int = 0,
-               limit: int | None = None) -> list[WorkItem]:
+def load_trace(
+    path: Path, rate: float, slo: SLO, tokens_per_char: float = 0.25, seed: int = 0, limit: int | None = None
+) -> list[WorkItem]:
     """Lengths from a trace (JSONL {"prompt","generated"} or ShareGPT JSON), Poisson arrivals.
 
     Lengths are estimated from characters (about 4 per token) so no tokenizer is needed.
@@ -92,6 +109,7 @@ def load_trace(path: Path, rate: float, slo: SLO, tokens_per_char: float = 0.25,
     pairs = pairs[:limit] if limit else pairs
     if not pairs:
         raise ValueError(f"no prompt/response pairs found in {path}")
+
     def tokens(text: str, limit: int) -> int:
         return min(limit, max(1, round(len(text) * tokens_per_char)))
 

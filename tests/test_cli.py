@@ -28,12 +28,15 @@ def test_every_contract_flag_exists():
     assert set(contract.SERVE_FLAGS) <= options
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "--block-size", "0"], "block_size"),
-    (["serve", "--model", "/no/such/folder"], "/no/such/folder"),
-    (["serve", "--policy", "nope"], "invalid choice"),
-    (["serve", "--model", "tiny", "--device", "cpu", "--max-model-len", "100000"], "max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--block-size", "0"], "block_size"),
+        (["serve", "--model", "/no/such/folder"], "/no/such/folder"),
+        (["serve", "--policy", "nope"], "invalid choice"),
+        (["serve", "--model", "tiny", "--device", "cpu", "--max-model-len", "100000"], "max_position_embeddings"),
+    ],
+)
 def test_bad_configuration_exits_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         sys.exit(main(argv))
@@ -66,16 +69,38 @@ def test_serve_an_hf_folder_as_a_process_and_drain_on_sigterm(tmp_path: Path):
     port = free_port()
     exe = shutil.which("superinfer", path=str(Path(sys.executable).parent)) or "superinfer"
     proc = subprocess.Popen(
-        [exe, "serve", "--model", str(folder), "--served-model-name", "m", "--port", str(port),
-         "--device", "cpu", "--num-gpu-blocks", "64", "--max-model-len", "256"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            exe,
+            "serve",
+            "--model",
+            str(folder),
+            "--served-model-name",
+            "m",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--num-gpu-blocks",
+            "64",
+            "--max-model-len",
+            "256",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=5, stream=True, extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         chunks = [c for c in stream if c.choices]
         assert chunks[-1].choices[0].finish_reason == "length"
         proc.send_signal(signal.SIGTERM)

@@ -20,14 +20,21 @@ BS = 4
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, first_token: int = 1, **kw) -> Request:
     prompt = [(first_token + i) % 97 + 3 for i in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw), arrival_time=0.0,
-                   eos_token_ids=frozenset({0}))
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, temperature=0, **kw),
+        arrival_time=0.0,
+        eos_token_ids=frozenset({0}),
+    )
 
 
-def make_scheduler(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, max_len: int = 256,
-                   prefix: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), KVCacheManager(num_blocks, BS, prefix),
-                     clock=lambda: 0.0)
+def make_scheduler(
+    num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, max_len: int = 256, prefix: bool = True
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_seqs, budget, max_len), KVCacheManager(num_blocks, BS, prefix), clock=lambda: 0.0
+    )
 
 
 def step(s: Scheduler, token: int = 5):
@@ -37,8 +44,10 @@ def step(s: Scheduler, token: int = 5):
 
 
 def test_control_plane_never_imports_torch(tmp_path):
-    code = ("import sys, superinfer.engine.core.scheduler, superinfer.engine.core.policies, "
-            "superinfer.engine.slo; print('torch' in sys.modules)")
+    code = (
+        "import sys, superinfer.engine.core.scheduler, superinfer.engine.core.policies, "
+        "superinfer.engine.slo; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == "False"
 

@@ -16,8 +16,9 @@ from tests.hf_fixtures import hf_model, make_hf_checkpoint
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def run(core: EngineCore, prompts: dict[str, list[int]], sampling: SamplingParams | dict[str, SamplingParams] = GREEDY
-        ) -> dict[str, list[int]]:
+def run(
+    core: EngineCore, prompts: dict[str, list[int]], sampling: SamplingParams | dict[str, SamplingParams] = GREEDY
+) -> dict[str, list[int]]:
     for rid, prompt in prompts.items():
         core.add_request(rid, prompt, sampling[rid] if isinstance(sampling, dict) else sampling)
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -49,8 +50,14 @@ def test_greedy_generation_matches_transformers(arch, tmp_path):
     ours = run(engine(str(path), block_size=4), prompts)
     for rid, prompt in prompts.items():
         ids = torch.tensor([prompt])
-        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
-                                      do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        expected = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert ours[rid] == expected, f"{arch} {rid}"
 
 

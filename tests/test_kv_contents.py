@@ -56,15 +56,19 @@ def apply(plan: StepPlan, tokens: dict[str, list[int]], gpu: Slots, cpu: Slots, 
             gpu[q.block_ids[p // block_size]][p % block_size] = tuple(t[: p + 1])
         for p in range(q.context_len):
             assert gpu[q.block_ids[p // block_size]][p % block_size] == tuple(t[: p + 1]), (
-                f"{q.request_id} reads wrong KV at position {p}")
+                f"{q.request_id} reads wrong KV at position {p}"
+            )
 
 
 def run_workload(seed: int, policy: str) -> None:
     rng = random.Random(seed)
     bs, num_gpu, num_cpu = rng.choice([2, 4]), rng.randint(6, 24), rng.randint(1, 40)
     xfer, budget = rng.randint(1, 10), rng.randint(2, 30)
-    pol = {"rotary": RotaryPolicy(RotaryParams(transfer_budget_blocks=xfer)), "watermark": WatermarkPolicy(3),
-           "fcfs": FCFSPolicy()}[policy]
+    pol = {
+        "rotary": RotaryPolicy(RotaryParams(transfer_budget_blocks=xfer)),
+        "watermark": WatermarkPolicy(3),
+        "fcfs": FCFSPolicy(),
+    }[policy]
     clock = Clock()
     kv = KVCacheManager(num_gpu, bs, True, num_cpu)
     s = Scheduler(Config(6, budget, 64, xfer), kv, pol, clock)

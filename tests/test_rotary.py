@@ -29,8 +29,12 @@ class Clock:
 
 def rotary_scheduler(num_blocks=16, num_cpu_blocks=64, budget=64, xfer=2400, max_seqs=16, policy=None, clock=None):
     kv = KVCacheManager(num_blocks, BS, True, num_cpu_blocks)
-    return Scheduler(SchedulerConfig(max_seqs, budget, 256, xfer), kv,
-                     policy or RotaryPolicy(RotaryParams(transfer_budget_blocks=xfer)), clock or Clock())
+    return Scheduler(
+        SchedulerConfig(max_seqs, budget, 256, xfer),
+        kv,
+        policy or RotaryPolicy(RotaryParams(transfer_budget_blocks=xfer)),
+        clock or Clock(),
+    )
 
 
 def step(s: Scheduler, token: int = 5):
@@ -53,8 +57,9 @@ def unpressured() -> dict[str, list[int]]:
 @pytest.mark.parametrize("policy", ["rotary", "watermark"])
 def test_greedy_outputs_identical_with_frequent_rotation(policy, unpressured):
     # 20 blocks of 16 tokens cannot hold 10 requests of up to 80 tokens: rotation is constant.
-    rotating = engine("tiny", max_model_len=256, policy=policy, num_gpu_blocks=20, num_cpu_blocks=400,
-                      transfer_budget_blocks=16)
+    rotating = engine(
+        "tiny", max_model_len=256, policy=policy, num_gpu_blocks=20, num_cpu_blocks=400, transfer_budget_blocks=16
+    )
     assert run(rotating, PROMPTS, SAMPLING) == unpressured
     assert rotating.scheduler.counters.rotations > 5
     kv = rotating.kv
@@ -72,8 +77,12 @@ def test_full_cpu_tier_with_chunked_prefill_does_not_livelock():
     """Two requests that cannot share the GPU, a one-block CPU tier, two tokens per step: a
     rotation that cannot swap must not turn into recompute ping-pong where nobody progresses."""
     clock = Clock()
-    s = Scheduler(SchedulerConfig(4, 2, 128, 100), KVCacheManager(10, 2, True, num_cpu_blocks=1),
-                  RotaryPolicy(RotaryParams(transfer_budget_blocks=100)), clock)
+    s = Scheduler(
+        SchedulerConfig(4, 2, 128, 100),
+        KVCacheManager(10, 2, True, num_cpu_blocks=1),
+        RotaryPolicy(RotaryParams(transfer_budget_blocks=100)),
+        clock,
+    )
     sampling = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     s.add(Request("A", list(range(3, 12)), sampling, 0.0))
     for k in range(500):
@@ -187,8 +196,14 @@ ops = st.lists(
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=ops, num_blocks=st.integers(10, 30), cpu_blocks=st.integers(0, 40), xfer=st.integers(1, 12),
-       budget=st.integers(4, 40), policy=st.sampled_from(["rotary", "watermark"]))
+@given(
+    ops=ops,
+    num_blocks=st.integers(10, 30),
+    cpu_blocks=st.integers(0, 40),
+    xfer=st.integers(1, 12),
+    budget=st.integers(4, 40),
+    policy=st.sampled_from(["rotary", "watermark"]),
+)
 def test_two_tier_invariants_over_random_workloads(ops, num_blocks, cpu_blocks, xfer, budget, policy):
     clock = Clock()
     pol = RotaryPolicy(RotaryParams(transfer_budget_blocks=xfer)) if policy == "rotary" else WatermarkPolicy(3)

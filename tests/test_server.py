@@ -21,8 +21,17 @@ MODEL = "tiny-test"
 
 @pytest.fixture
 async def server():
-    running = await start_server(EngineConfig(model="tiny", served_model_name=MODEL, device="cpu", port=0,
-                                              max_model_len=256, num_gpu_blocks=64, max_request_bytes=64 * 1024))
+    running = await start_server(
+        EngineConfig(
+            model="tiny",
+            served_model_name=MODEL,
+            device="cpu",
+            port=0,
+            max_model_len=256,
+            num_gpu_blocks=64,
+            max_request_bytes=64 * 1024,
+        )
+    )
     yield running
     await running.close()
 
@@ -45,24 +54,38 @@ async def all_blocks_free(server: RunningServer, timeout: float = 10.0) -> bool:
 
 
 async def test_completions_with_the_openai_client(client):
-    done = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    done = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert done.choices[0].finish_reason == "length"
     assert done.usage.completion_tokens == 8 and done.usage.prompt_tokens > 0
-    stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
-                                             stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     pieces = [chunk.choices[0].text async for chunk in stream]
     assert "".join(pieces) == done.choices[0].text
 
 
 async def test_chat_with_the_openai_client(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    done = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                extra_body={"ignore_eos": True})
+    done = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert done.choices[0].message.role == "assistant" and done.usage.completion_tokens == 6
-    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"ignore_eos": True})
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = [chunk async for chunk in stream]
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == done.choices[0].message.content
@@ -83,8 +106,14 @@ async def test_logprobs_in_both_apis(client):
     done = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == 3 and len(lp.top_logprobs[0]) <= 2 and all(v <= 0 for v in lp.token_logprobs)
-    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    chat = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and len(content[0].top_logprobs) == 2
 
@@ -107,10 +136,18 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "slo": {"ttft_ms": -5}}, 400, "slo.ttft_ms"),
     (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": []}, 400, "messages"),
     (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-    (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                               "tools": [{"type": "function"}]}, 400, "tools"),
-    (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                               "top_logprobs": 2}, 400, "top_logprobs"),
+    (
+        c.CHAT_COMPLETIONS_PATH,
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
+    (
+        c.CHAT_COMPLETIONS_PATH,
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
 ]
 
 
@@ -121,8 +158,9 @@ async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server,
             for stream in (False, True):
                 if stream and isinstance(body, dict):
                     data = json.dumps({**body, "stream": True}).encode()
-                async with http.post(server.url + path, data=data,
-                                     headers={"Content-Type": "application/json"}) as resp:
+                async with http.post(
+                    server.url + path, data=data, headers={"Content-Type": "application/json"}
+                ) as resp:
                     payload = await resp.json()
                     assert resp.status == status, (body, payload)
                     assert set(payload["error"]) >= {"message", "type", "param", "code"}
@@ -160,13 +198,15 @@ async def test_client_disconnect_mid_stream_frees_blocks(server):
         resp.close()  # drop the connection
     assert await all_blocks_free(server)
     aborted = server.server.core.metrics.registry.get_sample_value(
-        c.metric("requests_finished_total"), {"model_name": MODEL, "finished_reason": "abort"})
+        c.metric("requests_finished_total"), {"model_name": MODEL, "finished_reason": "abort"}
+    )
     assert aborted == 1.0
 
 
 async def test_api_key():
-    running = await start_server(EngineConfig(model="tiny", device="cpu", port=0, api_key="s3cret",
-                                              num_gpu_blocks=32, max_model_len=128))
+    running = await start_server(
+        EngineConfig(model="tiny", device="cpu", port=0, api_key="s3cret", num_gpu_blocks=32, max_model_len=128)
+    )
     try:
         async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError):
@@ -184,8 +224,14 @@ async def test_metrics_and_per_request_slo(server, client):
     await client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"slo": {"ttft_ms": 1e9}})
     async with aiohttp.ClientSession() as http, http.get(server.url + c.METRICS_PATH) as resp:
         text = await resp.text()
-    for name in ("requests_running", "kv_cache_usage_ratio", "time_to_first_token_seconds_bucket",
-                 "generation_tokens_total", "slo_requests_total", "slo_target_seconds"):
+    for name in (
+        "requests_running",
+        "kv_cache_usage_ratio",
+        "time_to_first_token_seconds_bucket",
+        "generation_tokens_total",
+        "slo_requests_total",
+        "slo_target_seconds",
+    ):
         assert c.metric(name) in text
     reg = server.server.core.metrics.registry
     labels = {"model_name": MODEL, "tbt": "met"}
@@ -224,8 +270,17 @@ async def until(condition, timeout: float = 10.0) -> None:
 
 
 async def test_queue_bound_answers_503_with_retry_after():
-    running = await start_server(EngineConfig(model="tiny", device="cpu", port=0, num_gpu_blocks=16, max_num_seqs=1,
-                                              max_waiting_requests=1, max_model_len=256))
+    running = await start_server(
+        EngineConfig(
+            model="tiny",
+            device="cpu",
+            port=0,
+            num_gpu_blocks=16,
+            max_num_seqs=1,
+            max_waiting_requests=1,
+            max_model_len=256,
+        )
+    )
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
     scheduler = running.server.core.scheduler
     try:

@@ -20,8 +20,12 @@ SLO_TARGETS = SLO(ttft_ms=1000, tbt_ms=100)
 
 def run_policy(policy: str) -> tuple[dict[str, float], EngineCore]:
     clock = VirtualClock()
-    core = EngineCore(EngineConfig(model="tiny", device="cpu", policy=policy, num_gpu_blocks=48,
-                                   num_cpu_blocks=2000, max_model_len=512), clock=clock)
+    core = EngineCore(
+        EngineConfig(
+            model="tiny", device="cpu", policy=policy, num_gpu_blocks=48, num_cpu_blocks=2000, max_model_len=512
+        ),
+        clock=clock,
+    )
     items = burst_workload(SLO_TARGETS, seed=0)
     timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size))
     assert all(len(t.token_times) == item.output_len for t, item in zip(timings, items, strict=True))
@@ -54,6 +58,8 @@ def test_rotation_really_happened_and_nothing_leaked(results):
         labels = {"model_name": "tiny", "direction": direction}
         assert reg.get_sample_value("superinfer_engine_kv_swap_bytes_total", labels) > 0
         assert reg.get_sample_value("superinfer_engine_kv_swap_seconds_count", labels) > 0
-    assert reg.get_sample_value("superinfer_engine_rotations_total", {"model_name": "tiny"}) == \
-        core.scheduler.counters.rotations
+    assert (
+        reg.get_sample_value("superinfer_engine_rotations_total", {"model_name": "tiny"})
+        == core.scheduler.counters.rotations
+    )
     assert core.kv.pool.num_free == core.kv.num_blocks and core.kv.cpu.num_free == core.kv.cpu.num_blocks

@@ -117,8 +117,9 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block tables over the GPU pool, and copies in the optional CPU pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.block_size = block_size

@@ -33,8 +33,12 @@ class SchedulerConfig:
     transfer_budget_blocks: int = 2400
 
     def __post_init__(self) -> None:
-        if (self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2
-                or self.transfer_budget_blocks < 1):
+        if (
+            self.max_num_seqs < 1
+            or self.max_num_batched_tokens < 1
+            or self.max_model_len < 2
+            or self.transfer_budget_blocks < 1
+        ):
             raise ValueError(f"invalid scheduler limits: {self}")
 
 
@@ -148,8 +152,9 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._step_id += 1
-        step = _Step(self._step_id, self.clock(), self.config.max_num_batched_tokens,
-                     self.config.transfer_budget_blocks)
+        step = _Step(
+            self._step_id, self.clock(), self.config.max_num_batched_tokens, self.config.transfer_budget_blocks
+        )
         decision = self.policy.decide(self, step.now)
         for req in decision.rotate_out:
             if not self._rotate_out(req, step):
@@ -167,8 +172,9 @@ class Scheduler:
                 step.transfer_left -= len(copies)
         self.kv.submitted(step.id)
         released, self._released = self._released, []
-        return StepPlan(step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in,
-                        released=released)
+        return StepPlan(
+            step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in, released=released
+        )
 
     def _serve_running(self, step: _Step) -> None:
         i = 0
@@ -254,15 +260,17 @@ class Scheduler:
         step.budget -= n
         step.start_pos[req.request_id] = start
         sample = req.num_computed_tokens == req.num_tokens
-        step.seqs.append(ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=req.token_ids[start : start + n],
-            start_pos=start,
-            block_ids=list(req.block_ids),
-            sample=sample,
-            sampling=req.sampling,
-            banned_token_ids=req.banned_token_ids() if sample else (),
-        ))
+        step.seqs.append(
+            ScheduledSeq(
+                request_id=req.request_id,
+                token_ids=req.token_ids[start : start + n],
+                start_pos=start,
+                block_ids=list(req.block_ids),
+                sample=sample,
+                sampling=req.sampling,
+                banned_token_ids=req.banned_token_ids() if sample else (),
+            )
+        )
 
     def _rotate_out(self, req: Request, step: _Step) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
