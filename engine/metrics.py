@@ -118,12 +118,23 @@ class EngineMetrics:
         self._g("requests_running").set(sched.num_running)
         self._g("requests_waiting").set(sched.num_waiting)
         self._g("requests_rotary").set(sched.num_rotary)
+        # GPU blocks: free (empty), dirty (no CPU copy yet), clean (written through), quarantined.
+        clean = min(kv.pool.num_used, sum(min(len(r.cpu_block_ids), len(r.block_ids)) for r in sched.running))
+        states = {
+            "gpu": {
+                "free": kv.pool.num_free,
+                "dirty": kv.pool.num_used - clean,
+                "clean": clean,
+                "quarantined": len(kv.pool.held),
+            }
+        }
+        if kv.cpu is not None:
+            states["cpu"] = {"free": kv.cpu.num_free, "used": kv.cpu.num_used, "quarantined": len(kv.cpu.held)}
         for tier, pool in (("gpu", kv.pool), ("cpu", kv.cpu)):
-            if pool is None:
-                continue
-            self._g("kv_cache_usage_ratio", tier).set(pool.num_used / pool.num_blocks)
-            for state, n in (("used", pool.num_used), ("free", pool.num_free), ("quarantined", len(pool.held))):
-                self._g("kv_blocks", tier, state).set(n)
+            if pool is not None:
+                self._g("kv_cache_usage_ratio", tier).set(pool.num_used / pool.num_blocks)
+                for state, n in states[tier].items():
+                    self._g("kv_blocks", tier, state).set(n)
         for phase, seconds in phase_seconds.items():
             self._child(self.step, phase).observe(seconds)
         counters = sched.counters

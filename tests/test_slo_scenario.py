@@ -63,3 +63,8 @@ def test_rotation_really_happened_and_nothing_leaked(results):
         == core.scheduler.counters.rotations
     )
     assert core.kv.pool.num_free == core.kv.num_blocks and core.kv.cpu.num_free == core.kv.cpu.num_blocks
+    gpu_states = {
+        s: reg.get_sample_value("superinfer_engine_kv_blocks", {"model_name": "tiny", "tier": "gpu", "state": s})
+        for s in ("free", "dirty", "clean", "quarantined")
+    }
+    assert gpu_states == {"free": 48, "dirty": 0, "clean": 0, "quarantined": 0}
