@@ -64,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     add_engine_flags(serve)
+    bench = sub.add_parser("bench", help="open-loop SLO benchmark of any OpenAI-compatible endpoint")
+    bench.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    bench.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
+    bench.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
+    bench.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    bench.add_argument("--ttft-slo-ms", type=float, default=5000.0)
+    bench.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    bench.add_argument("--prompt-median", type=float, default=150.0, help="median prompt length (tokens)")
+    bench.add_argument("--output-median", type=float, default=200.0, help="median output length (tokens)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", type=Path, default=None, help="also write the report here")
     demo = sub.add_parser("demo", help="fcfs vs rotary on the tiny model under a burst that exhausts KV memory")
     add_engine_flags(demo)
     demo.add_argument("--policies", default="fcfs,rotary", help="comma-separated policies to compare")
@@ -81,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from superinfer.engine.server import serve
 
             asyncio.run(serve(engine_config(args)))
+        elif args.command == "bench":
+            from superinfer.engine.bench import run_bench
+
+            asyncio.run(run_bench(args))
         elif args.command == "demo":
             from superinfer.engine.demo import run_demo
 

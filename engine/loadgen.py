@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from superinfer.engine.contract import COMPLETIONS_PATH
-from superinfer.engine.slo import SLO, RequestTiming
+from superinfer.engine.slo import SLO, RequestTiming, summarize
+from superinfer.engine.workload import WorkItem
 
 
 @dataclass(frozen=True)
@@ -65,3 +67,42 @@ async def run_load(base_url: str, model: str, requests: Sequence[LoadRequest]) -
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         timings = await asyncio.gather(*(one(session, r) for r in requests))
     return list(timings), time.monotonic() - start
+
+
+WORDS = (
+    "the",
+    "river",
+    "light",
+    "quiet",
+    "market",
+    "stone",
+    "winter",
+    "paper",
+    "garden",
+    "signal",
+    "harbor",
+    "morning",
+    "engine",
+    "forest",
+    "letter",
+    "bridge",
+    "cloud",
+    "window",
+    "silver",
+    "story",
+)
+
+
+def text_prompt(num_words: int, seed: int) -> str:
+    """A prompt of about `num_words` tokens for any tokenizer (common English words)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+async def bench_endpoint(base_url: str, model: str, items: Sequence[WorkItem]) -> dict[str, float]:
+    """Open-loop load of `items` against an OpenAI-compatible endpoint; the SLO report."""
+    load = [
+        LoadRequest(text_prompt(it.prompt_len, i), it.output_len, it.slo, it.arrival_s) for i, it in enumerate(items)
+    ]
+    timings, duration = await run_load(base_url, model, load)
+    return summarize(timings, duration)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -64,7 +65,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None
     raise AssertionError("server did not become ready")
 
 
-def test_serve_an_hf_folder_as_a_process_and_drain_on_sigterm(tmp_path: Path):
+def test_serve_an_hf_folder_as_a_process_bench_it_and_drain_on_sigterm(tmp_path: Path):
     folder = make_hf_checkpoint("qwen3", tmp_path / "qwen3", seed=1)
     port = free_port()
     exe = shutil.which("superinfer", path=str(Path(sys.executable).parent)) or "superinfer"
@@ -103,6 +104,32 @@ def test_serve_an_hf_folder_as_a_process_and_drain_on_sigterm(tmp_path: Path):
         )
         chunks = [c for c in stream if c.choices]
         assert chunks[-1].choices[0].finish_reason == "length"
+        report_path = tmp_path / "bench.json"
+        bench = subprocess.run(
+            [
+                exe,
+                "bench",
+                "--url",
+                url,
+                "--rate",
+                "20",
+                "--duration",
+                "0.5",
+                "--prompt-median",
+                "8",
+                "--output-median",
+                "6",
+                "--json",
+                str(report_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bench.returncode == 0, bench.stderr
+        saved = json.loads(report_path.read_text())
+        assert saved["model"] == "m" and saved["report"]["requests"] >= 1
+        assert 0.0 <= saved["report"]["ttft_attainment"] <= 1.0 and saved["report"]["output_tokens"] > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert "draining" in proc.stderr.read()
