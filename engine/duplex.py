@@ -52,7 +52,6 @@ class DuplexKV:
     def __init__(self, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor | None) -> None:
         self.gpu = gpu_cache
         self.cpu = cpu_cache
-        self.block_bytes = gpu_cache[0].numel() * gpu_cache.element_size()
         self.cuda = gpu_cache.device.type == "cuda"
         if self.cuda:
             self.out_stream = torch.cuda.Stream(gpu_cache.device)
