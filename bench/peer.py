@@ -59,6 +59,25 @@ def run_transformers(
     return time.perf_counter() - t0, out[:, width:].tolist()
 
 
+def run_generate_batch(
+    model: torch.nn.Module, prompts: list[list[int]], output_tokens: int, device: str
+) -> tuple[float, list[list[int] | None]]:
+    """transformers' continuous-batching `generate_batch` (transformers >= 4.54)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=output_tokens, min_new_tokens=output_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    model.generate_batch(prompts[:2], generation_config=config)  # warm up
+    sync(device)
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=config, warmup=False)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    by_prompt = {tuple(o.prompt_ids): list(o.generated_tokens) for o in out.values()}
+    return seconds, [by_prompt.get(tuple(p)) for p in prompts]
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -97,6 +116,13 @@ def main() -> None:
         "speedup": hf_s / engine_s,
         "greedy_outputs_identical_share": same,
     }
+    if hasattr(hf, "generate_batch"):
+        batch_s, batch_out = run_generate_batch(hf, prompts, args.output_tokens, args.device)
+        figures["transformers_generate_batch_tok_s"] = tokens / batch_s
+        figures["speedup_vs_generate_batch"] = batch_s / engine_s
+        figures["generate_batch_identical_share"] = sum(
+            a == b for a, b in zip(engine_out, batch_out, strict=True)
+        ) / len(prompts)
     goal = {"speedup": ">= 3 on GPU (PERFORMANCE.md peer)"}
     out = write_result("peer", args.device, figures, goal, {"model": args.model, "dtype": args.dtype})
     for k, v in figures.items():
