@@ -118,6 +118,8 @@ def exported_series_names() -> set[str]:
     names.add(metric("info") + "_info")
     for compat in VLLM_COMPAT_METRICS:
         names.add(compat)
+        if compat.endswith("_total"):
+            names.add(compat.removesuffix("_total") + "_created")
         if compat.endswith("_seconds"):
-            names |= {compat + suffix for suffix in ("_bucket", "_sum", "_count")}
+            names |= {compat + suffix for suffix in ("_bucket", "_sum", "_count", "_created")}
     return names

@@ -321,3 +321,38 @@ async def test_engine_failure_mid_stream_ends_the_stream_with_an_error(server):
         assert lines[-1] == "data: [DONE]"
         async with http.get(server.url + c.HEALTH_PATH) as health:
             assert health.status == 503
+
+
+async def test_exported_metrics_are_exactly_the_contract():
+    """What /metrics really exports stays inside the contract the dashboards are checked against."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    running = await start_server(
+        EngineConfig(
+            model="tiny",
+            device="cpu",
+            port=0,
+            num_gpu_blocks=64,
+            policy="rotary",
+            num_cpu_blocks=64,
+            metrics_compat="vllm",
+            max_model_len=256,
+        )
+    )
+    try:
+        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0) as client:
+            await client.completions.create(model="tiny", prompt="hello", max_tokens=4)
+        async with aiohttp.ClientSession() as http, http.get(running.url + c.METRICS_PATH) as resp:
+            text = await resp.text()
+    finally:
+        await running.close()
+    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    exported = {n for n in exported if n.startswith((c.METRIC_PREFIX, "vllm:"))}
+    assert exported <= c.exported_series_names(), exported - c.exported_series_names()
+    families = {c.metric(n) for n in (*c.GAUGES, *c.HISTOGRAMS)} | {c.metric(n) + "_total" for n in c.COUNTERS}
+    missing = {f for f in families if not any(n == f or n.startswith(f + "_") for n in exported)}
+    # Labelled counters and histograms appear once first used (no rotation happened here).
+    unused = {c.metric(n) + "_total" for n in ("preemptions", "kv_swap_bytes", "rotations")}
+    assert missing <= unused | {c.metric("kv_swap_seconds")}, missing
+    for name in c.VLLM_COMPAT_METRICS:
+        assert any(n == name or n.startswith(name + "_") for n in exported), name
