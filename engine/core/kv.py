@@ -187,8 +187,7 @@ class KVCacheManager:
         need = -(-total // self.block_size) - len(req.block_ids) - len(cached)
         if not cached and need <= 0:
             return True  # the common decode step: the last block has room
-        cached_free = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
-        if need > self.pool.num_free - cached_free:
+        if need > self.pool.num_free - self._free_taken(cached):
             return False
         for block in cached:
             self.pool.touch(block)
@@ -196,6 +195,15 @@ class KVCacheManager:
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))
         return True
+
+    def _free_taken(self, cached: Sequence[int]) -> int:
+        """Cached blocks that sit in the free list: taking them uses up free blocks too."""
+        return sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
+
+    def admission_need(self, req: Request) -> int:
+        """Free GPU blocks a waiting request takes to hold its tokens (its cached prefix reused)."""
+        cached = self.cached_prefix(req)
+        return self.blocks_for(req.num_tokens) - len(cached) + self._free_taken(cached)
 
     def growth_blocks(self, req: Request, num_new_tokens: int) -> int:
         """GPU blocks a running request needs to compute `num_new_tokens` more tokens."""

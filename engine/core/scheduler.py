@@ -145,9 +145,7 @@ class Scheduler:
         """Free GPU blocks a non-running request takes to be admitted and finish its next step."""
         if req.status is RequestStatus.ROTARY:
             return self.kv.swap_in_need(req, self.next_tokens(req))[0]
-        cached = self.kv.cached_prefix(req)
-        cached_free = sum(1 for b in cached if self.kv.pool.ref_cnt[b] == 0)
-        return self.kv.blocks_for(req.num_tokens) - len(cached) + cached_free
+        return self.kv.admission_need(req)
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
