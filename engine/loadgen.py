@@ -50,7 +50,9 @@ async def stream_completion(
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
         async for line in resp.content:
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                json.loads(line[6:])
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # the server failed mid-stream: not a token
+                    raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
                 times.append(time.monotonic())
     return RequestTiming(sent, tuple(times), req.slo)
 
