@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
     rotary_beta_f: float = Field(0.5, ge=0)
     rotary_beta_b: float = Field(0.0, ge=0)
     transfer_budget_blocks: int = Field(2400, ge=1)
+    async_scheduling: bool | None = Field(
+        None, description="plan step t+1 while the device runs step t (default: on with CUDA, off on CPU)"
+    )
     max_waiting_requests: int | None = Field(
         None, ge=1, description="queue bound: past it new requests get 503 with Retry-After"
     )

@@ -1,7 +1,9 @@
-"""EngineCore (one synchronous step at a time) and AsyncEngine (the core on its own thread).
+"""EngineCore (the step loop) and AsyncEngine (the core on its own thread).
 
 EngineCore owns the model, the KV cache tensor, the scheduler and the runner:
-    schedule -> StepPlan -> runner.execute -> scheduler.update -> RequestOutputs.
+    schedule -> StepPlan -> runner.submit -> runner.collect -> scheduler.update -> RequestOutputs.
+With async scheduling (default on CUDA) each step() schedules and submits step t+1 before it
+collects step t, so the host's scheduling and bookkeeping overlap the device's work.
 AsyncEngine runs that loop on a dedicated thread so the HTTP event loop never waits on a model
 step; requests and aborts go in through a queue, outputs come back through asyncio queues.
 """
@@ -28,7 +30,7 @@ from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
 from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.output import RequestOutput, TextStream
-from superinfer.engine.runner import ModelRunner, StepOutput
+from superinfer.engine.runner import ModelRunner, StepOutput, SubmittedStep
 from superinfer.engine.slo import SLO
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -155,6 +157,10 @@ class EngineCore:
             },
         )
         self._live: dict[str, _Live] = {}
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        self._in_flight: SubmittedStep | None = None
         log.info(
             "engine ready: %s on %s (%s), policy %s, %d GPU + %d CPU KV blocks of %d tokens",
             config.model,
@@ -203,15 +209,31 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # --- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and submit a step, then collect the step in flight before it (async
+        scheduling) or this one. Returns the outputs of the steps collected."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
-        result = self.runner.execute(plan)
-        return self.complete(plan, result, {"schedule": t1 - t0, "execute": time.perf_counter() - t1})
+        submitted = self.runner.submit(plan)
+        phases = {"schedule": t1 - t0, "submit": time.perf_counter() - t1}
+        previous, self._in_flight = self._in_flight, submitted
+        outputs = []
+        if previous is not None:
+            outputs += self._collect(previous, phases)
+            phases = {}
+        if not self.async_scheduling or plan.is_empty:
+            self._in_flight = None
+            outputs += self._collect(submitted, phases)
+        return outputs
+
+    def _collect(self, step: SubmittedStep, phases: dict[str, float]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        result = self.runner.collect(step)
+        return self.complete(step.plan, result, {**phases, "wait": time.perf_counter() - t0})
 
     def complete(self, plan: StepPlan, result: StepOutput, phase_seconds: dict[str, float]) -> list[RequestOutput]:
         """Apply an executed step: new tokens, stop strings, finished requests, metrics."""

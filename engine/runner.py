@@ -1,7 +1,11 @@
 """ModelRunner: executes a StepPlan. Plan -> tensors -> forward -> sampled tokens.
 
-It decides nothing: which tokens, blocks and sampling parameters come from the plan. One host
-sync per step (reading the sampled tokens back).
+It decides nothing: which tokens, blocks and sampling parameters come from the plan.
+`submit(plan)` enqueues the step's copies, model and sampling work and returns at once on CUDA
+(the sampled tokens travel to pinned host memory behind the step's event); `collect(step)` waits
+for that event and reads them: one host sync per step. A plan's PLACEHOLDER tokens are filled on
+the device from the previous submitted step's sampled tokens, so step t+1 can be submitted before
+step t is collected (async scheduling).
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ import torch
 
 from superinfer.engine.attention import AttentionMetadata, PagedAttention
 from superinfer.engine.core.kv import cdiv
-from superinfer.engine.core.plan import StepPlan
-from superinfer.engine.duplex import CopyStats, DuplexKV
-from superinfer.engine.sampling import sample
+from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
+from superinfer.engine.duplex import CopyStats, DuplexKV, StepCopies
+from superinfer.engine.sampling import SampledLogprobs, sample
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,18 @@ class StepOutput:
 
 
 @dataclass
+class SubmittedStep:
+    """A step whose work is enqueued; its results are host tensors valid once `copies` finish."""
+
+    plan: StepPlan
+    copies: StepCopies
+    request_ids: list[str] = field(default_factory=list)  # of the sampled rows, in order
+    logprobs_wanted: list[int | None] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # host (pinned on CUDA)
+    logprobs: SampledLogprobs | None = None  # host
+
+
+@dataclass
 class _StepInputs:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -42,6 +58,8 @@ class _StepInputs:
     decode_context: list[int] = field(default_factory=list)
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_ids: list[str] = field(default_factory=list)  # whose token from the previous step
 
 
 def _gather_inputs(plan: StepPlan, block_size: int) -> _StepInputs:
@@ -50,6 +68,9 @@ def _gather_inputs(plan: StepPlan, block_size: int) -> _StepInputs:
     for seq in plan.seqs:
         n, start, ctx = seq.num_tokens, seq.start_pos, seq.context_len
         x.input_ids.extend(seq.token_ids)
+        if seq.token_ids[-1] == PLACEHOLDER:
+            x.placeholder_rows.append(row + n - 1)
+            x.placeholder_ids.append(seq.request_id)
         x.positions.extend(range(start, ctx))
         for pos in range(start, ctx):
             x.slot_blocks.append(seq.block_ids[pos // block_size])
@@ -83,6 +104,8 @@ class ModelRunner:
         self.scale = scale
         self.device = kv_cache.device
         self.generators: dict[str, torch.Generator] = {}
+        # The last submitted step's sampled tokens (on the device) and whose they are.
+        self._previous: tuple[list[str], torch.Tensor | None] = ([], None)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
@@ -110,35 +133,68 @@ class ModelRunner:
             gen = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
         return gen
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run the plan's copies and model step; returns once both are complete."""
+        return self.collect(self.submit(plan))
+
+    @torch.inference_mode()
+    def submit(self, plan: StepPlan) -> SubmittedStep:
+        """Enqueue the plan's copies, model step and sampling; on CUDA this does not wait for them."""
         for request_id in plan.released:
             self.generators.pop(request_id, None)
-        self.duplex.start(plan.swap_out, plan.swap_in)
-        out = self._forward(plan) if plan.seqs else StepOutput()
-        out.copies = self.duplex.finish()
+        step = SubmittedStep(plan, self.duplex.start(plan.swap_out, plan.swap_in))
+        previous, self._previous = self._previous, ([], None)
+        if plan.seqs:
+            self._forward(plan, step, previous)
+        self.duplex.computed(step)
+        return step
+
+    def collect(self, step: SubmittedStep) -> StepOutput:
+        """Wait for a submitted step and return its sampled tokens, logprobs and copy stats."""
+        out = StepOutput(copies=self.duplex.finish(step.copies))
+        if step.tokens is None:
+            return out
+        out.sampled = dict(zip(step.request_ids, step.tokens.tolist(), strict=True))
+        if step.logprobs is not None:
+            chosen = step.logprobs.chosen.tolist()
+            top_ids, top_values = step.logprobs.top_ids.tolist(), step.logprobs.top_values.tolist()
+            for i, (rid, k) in enumerate(zip(step.request_ids, step.logprobs_wanted, strict=True)):
+                if k is not None:
+                    top = list(zip(top_ids[i], top_values[i], strict=True))[:k]
+                    out.logprobs[rid] = TokenLogprob(out.sampled[rid], chosen[i], top)
         return out
 
-    def _forward(self, plan: StepPlan) -> StepOutput:
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying a result to pinned host memory, ordered behind the step's work."""
+        if self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    def _forward(self, plan: StepPlan, step: SubmittedStep, previous: tuple[list[str], torch.Tensor | None]) -> None:
         x = _gather_inputs(plan, self.block_size)
+        input_ids = self._tensor(x.input_ids)
+        if x.placeholder_rows:
+            prev_ids, prev_tokens = previous
+            row_of = {rid: i for i, rid in enumerate(prev_ids)}
+            missing = [rid for rid in x.placeholder_ids if rid not in row_of]
+            if missing or prev_tokens is None:
+                raise RuntimeError(f"the previous step sampled no token for {missing}: stale placeholders")
+            src = self._tensor([row_of[rid] for rid in x.placeholder_ids])
+            input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
         attn = PagedAttention(self.kv_cache, self._metadata(x), self.scale)
-        hidden = self.model(self._tensor(x.input_ids), self._tensor(x.positions), attn)
+        hidden = self.model(input_ids, self._tensor(x.positions), attn)
         sampling = [s for s in plan.seqs if s.sample]
         if not sampling:
-            return StepOutput()
+            return
         logits = self.model.compute_logits(hidden[self._tensor(x.sample_rows)])
         params = [s.sampling for s in sampling]
         gens = [self._generator(s.request_id, s.sampling.seed) for s in sampling]
         tokens, logprobs = sample(logits, params, gens, [s.banned_token_ids for s in sampling])
-
-        ids = [s.request_id for s in sampling]
-        out = StepOutput(sampled=dict(zip(ids, tokens.tolist(), strict=True)))
+        step.request_ids = [s.request_id for s in sampling]
+        self._previous = (step.request_ids, tokens)
+        step.tokens = self._to_host(tokens)
         if logprobs is not None:
-            chosen = logprobs.chosen.tolist()
-            top_ids, top_values = logprobs.top_ids.tolist(), logprobs.top_values.tolist()
-            for i, (rid, p) in enumerate(zip(ids, params, strict=True)):
-                if p.logprobs is not None:
-                    top = list(zip(top_ids[i], top_values[i], strict=True))[: p.logprobs]
-                    out.logprobs[rid] = TokenLogprob(out.sampled[rid], chosen[i], top)
-        return out
+            step.logprobs_wanted = [p.logprobs for p in params]
+            parts = (logprobs.chosen, logprobs.top_ids, logprobs.top_values)
+            step.logprobs = SampledLogprobs(*(self._to_host(t) for t in parts))

@@ -13,7 +13,7 @@ import pytest
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
-from superinfer.engine.runner import StepOutput
+from superinfer.engine.runner import SubmittedStep
 from superinfer.engine.server import RunningServer, start_server
 
 MODEL = "tiny-test"
@@ -302,15 +302,15 @@ async def test_queue_bound_answers_503_with_retry_after():
 async def test_engine_failure_mid_stream_ends_the_stream_with_an_error(server):
     """A broken step kills the engine: live streams get an error event and [DONE], not a hang."""
     runner = server.server.core.runner
-    real_execute, calls = runner.execute, []
+    real_submit, calls = runner.submit, []
 
-    def failing_execute(plan: StepPlan) -> StepOutput:
+    def failing_submit(plan: StepPlan) -> SubmittedStep:
         calls.append(plan.step_id)
         if len(calls) == 4:
             raise RuntimeError("simulated device failure")
-        return real_execute(plan)
+        return real_submit(plan)
 
-    runner.execute = failing_execute
+    runner.submit = failing_submit
     body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession() as http:
         async with http.post(server.url + c.COMPLETIONS_PATH, json=body) as resp:

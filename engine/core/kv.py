@@ -213,14 +213,13 @@ class KVCacheManager:
         """GPU blocks that freeing the request would really free (shared prefix blocks stay)."""
         return sum(1 for b in req.block_ids if self.pool.ref_cnt[b] == 1)
 
-    def commit_full_blocks(self, req: Request, num_computed_before: int) -> None:
-        """Register the blocks that this step filled with computed tokens in the prefix cache."""
+    def commit_full_blocks(self, req: Request, start: int, end: int) -> None:
+        """Register the blocks that a step computing tokens [start, end) filled in the prefix cache."""
         bs = self.block_size
-        if not self.enable_prefix_caching or req.num_computed_tokens // bs == num_computed_before // bs:
+        if not self.enable_prefix_caching or end // bs == start // bs:
             return  # no block filled up in this step
-        end = min(req.num_computed_tokens // bs, len(req.block_ids))
         hashes = self.update_hashes(req)
-        for i in range(num_computed_before // bs, end):
+        for i in range(start // bs, min(end // bs, len(req.block_ids), len(hashes))):
             self.pool.register(req.block_ids[i], hashes[i])
 
     def free(self, req: Request) -> None:

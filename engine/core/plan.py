@@ -6,10 +6,17 @@ from dataclasses import dataclass, field
 
 from superinfer.engine.core.request import SamplingParams
 
+# A token the step in flight is still sampling: the runner feeds that step's result in its place.
+PLACEHOLDER = -1
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of a step: feed `token_ids` at positions start_pos.. ."""
+    """One request's share of a step: feed `token_ids` at positions start_pos.. .
+
+    With async scheduling the last token id may be PLACEHOLDER: the token the previous step
+    samples for this request.
+    """
 
     request_id: str
     token_ids: list[int]

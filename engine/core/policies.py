@@ -114,7 +114,7 @@ class RotaryPolicy:
         for r in reversed(ranked):
             if to_free <= 0:
                 break
-            if r.status is RequestStatus.RUNNING and r.in_decode:
+            if r.status is RequestStatus.RUNNING and r.in_decode and not sched.ends_after_pending(r):
                 rotate_out.append(r)
                 to_free -= kv.owned_blocks(r)
         return Decision(rotate_out, admit, strict_order=False)
@@ -137,7 +137,7 @@ class WatermarkPolicy:
         for r in sorted(sched.running, key=lambda r: r.t_run or 0.0):
             if free >= self.watermark_blocks:
                 break
-            if r.in_decode:
+            if r.in_decode and not sched.ends_after_pending(r):
                 rotate_out.append(r)
                 free += sched.kv.owned_blocks(r)
         return Decision(rotate_out, by_arrival([*sched.waiting, *sched.rotary]))

@@ -66,6 +66,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is (or, once the step runs, will be) in the cache
+    num_pending_tokens: int = 0  # sampled by a submitted step whose result is not back yet
     block_ids: list[int] = field(default_factory=list)  # GPU block table
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
     cpu_block_ids: list[int] = field(default_factory=list)  # CPU copies of its first full blocks
@@ -89,6 +90,11 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus those a submitted step is still sampling (async scheduling)."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -103,7 +109,8 @@ class Request:
     @property
     def in_decode(self) -> bool:
         """All tokens but the newest are in the cache: the next step feeds one token."""
-        return self.num_output_tokens > 0 and self.num_computed_tokens >= self.num_tokens - 1
+        total = self.num_scheduled_tokens
+        return total > self.num_prompt_tokens and self.num_computed_tokens >= total - 1
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -111,10 +118,17 @@ class Request:
 
     def banned_token_ids(self) -> tuple[int, ...]:
         """Tokens the next sample may not be: EOS and stop tokens until `min_tokens` are out."""
-        if self.num_output_tokens >= self.sampling.min_tokens:
+        if self.num_output_tokens + self.num_pending_tokens >= self.sampling.min_tokens:
             return ()
         eos = () if self.sampling.ignore_eos else tuple(self.eos_token_ids)
         return eos + self.sampling.stop_token_ids
+
+    def ends_after_pending(self, max_model_len: int) -> bool:
+        """Its pending tokens reach max_tokens or the context length: it stops whatever they are."""
+        total = self.num_scheduled_tokens
+        return self.num_pending_tokens > 0 and (
+            total - self.num_prompt_tokens >= self.sampling.max_tokens or total >= max_model_len
+        )
 
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """Why the request must stop after its newest token, if it must (stop strings aside)."""

@@ -10,6 +10,12 @@ carries it out with vLLM v1 mechanics. Every step:
    ones prefill (in chunks when the budget is short). No admission in a step that preempted;
 4. with the transfer budget left, write newly full blocks through to the CPU tier.
 Blocks moved between tiers per step (out + in + write-through) never exceed the transfer budget.
+
+Async scheduling: step t+1 may be planned before step t's sampled tokens are back. A request
+then has a pending token: step t+1 feeds a PLACEHOLDER the runner fills from step t's result on
+the device, and `update(t)` appends the real token later (even if the request was rotated out or
+preempted meanwhile). A request whose pending token ends it by length is not scheduled again; one
+that ends by EOS or a stop string wastes one token, dropped when its step completes.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from superinfer.engine.core.kv import KVCacheManager
-from superinfer.engine.core.plan import ScheduledSeq, StepPlan
+from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 
@@ -59,6 +65,7 @@ class _Step:
     budget: int
     transfer_left: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)  # the request of each seq
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
@@ -84,6 +91,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._released: list[str] = []
         self._step_id = 0
+        self._submitted: dict[int, list[Request]] = {}  # step id -> the request of each seq
 
     # --- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -124,6 +132,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.requests)
 
+    def ends_after_pending(self, req: Request) -> bool:
+        """Its pending tokens end it by length: scheduling it again would only waste a step."""
+        return req.ends_after_pending(self.config.max_model_len)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -139,7 +151,7 @@ class Scheduler:
     # --- what requests need --------------------------------------------------------------
     def next_tokens(self, req: Request) -> int:
         """Tokens the request would compute next step (a decode token, or its whole remaining prefill)."""
-        return req.num_tokens - req.num_computed_tokens
+        return req.num_scheduled_tokens - req.num_computed_tokens
 
     def block_need(self, req: Request) -> int:
         """Free GPU blocks a non-running request takes to be admitted and finish its next step."""
@@ -169,6 +181,7 @@ class Scheduler:
                 step.swap_out += copies
                 step.transfer_left -= len(copies)
         self.kv.submitted(step.id)
+        self._submitted[step.id] = step.requests
         released, self._released = self._released, []
         return StepPlan(
             step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in, released=released
@@ -178,6 +191,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
+            if self.ends_after_pending(req):
+                i += 1
+                continue
             n = min(self.next_tokens(req), step.budget)
             while not self.kv.allocate(req, n):
                 victim = self.policy.victim(self.running[i:], step.now)
@@ -195,6 +211,8 @@ class Scheduler:
         for req in order:
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if req.num_pending_tokens:
+                continue  # left the GPU while its last step was in flight: back once that completes
             if req.status is RequestStatus.ROTARY:
                 n = self.next_tokens(req)
                 blocks, copies = self.kv.swap_in_need(req, n)
@@ -230,14 +248,19 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         """The step has completed (compute and copies): apply its sampled tokens and retire its
-        quarantine. Returns the requests that got a token or finished."""
+        quarantine. Returns the requests that got a token or finished.
+
+        A request that was rotated out or preempted since the step was planned still gets its
+        token; one that finished since (abort, stop string, EOS) drops it."""
         now = self.clock()
         touched = []
-        for seq in plan.seqs:
-            req = self.requests.get(seq.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            self.kv.commit_full_blocks(req, seq.start_pos)
+        for req, seq in zip(self._submitted.pop(plan.step_id), plan.seqs, strict=True):
+            if seq.sample:
+                req.num_pending_tokens -= 1
+            if req.is_finished:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.kv.commit_full_blocks(req, seq.start_pos, seq.context_len)
             if not seq.sample:
                 continue
             req.append_token(sampled[seq.request_id])
@@ -257,11 +280,13 @@ class Scheduler:
         req.num_computed_tokens += n
         step.budget -= n
         step.start_pos[req.request_id] = start
-        sample = req.num_computed_tokens == req.num_tokens
+        token_ids = req.token_ids[start : start + n]
+        token_ids += [PLACEHOLDER] * (n - len(token_ids))
+        sample = req.num_computed_tokens == req.num_scheduled_tokens
         step.seqs.append(
             ScheduledSeq(
                 request_id=req.request_id,
-                token_ids=req.token_ids[start : start + n],
+                token_ids=token_ids,
                 start_pos=start,
                 block_ids=list(req.block_ids),
                 sample=sample,
@@ -269,6 +294,9 @@ class Scheduler:
                 banned_token_ids=req.banned_token_ids() if sample else (),
             )
         )
+        step.requests.append(req)
+        if sample:
+            req.num_pending_tokens += 1
 
     def _rotate_out(self, req: Request, step: _Step) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
