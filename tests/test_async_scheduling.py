@@ -15,6 +15,7 @@ from superinfer.engine.engine import EngineCore
 from superinfer.engine.output import RequestOutput
 from tests.test_core import make_scheduler
 from tests.test_engine import engine, random_prompts
+from tests.test_rotary import rotary_scheduler
 
 PROMPTS = random_prompts(12, 2000, seed=21, lo=8, hi=60)
 
@@ -133,13 +134,28 @@ def test_pending_token_is_a_placeholder_and_arrives_later():
     assert s.requests == {} and s.kv.num_free_blocks == 8
 
 
-def test_token_sampled_past_a_stop_is_dropped_and_blocks_wait_for_that_step():
+def test_token_sampled_past_a_stop_is_dropped():
     s = make_scheduler(num_blocks=8)
     s.add(Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=10, temperature=0), 0.0, eos_token_ids=frozenset({0})))
     first = s.schedule()
     second = s.schedule()
     (req,) = s.update(first, {"a": 0})  # EOS: it ends while `second` still computes for it
     assert req.finish_reason is FinishReason.STOP and req.output_token_ids == [0]
-    assert s.kv.num_free_blocks < 8, "its blocks stay quarantined while the step in flight uses them"
     assert s.update(second, {"a": 5}) == [] and req.output_token_ids == [0]
     assert s.kv.num_free_blocks == 8
+
+
+def test_blocks_under_a_copy_in_flight_wait_for_its_step():
+    """Rotated out in step 99 (blocks copied out), then aborted before step 99 completes: both
+    ends of its copies stay quarantined until it does; blocks no copy touches are free at once."""
+    s = rotary_scheduler(num_blocks=8, num_cpu_blocks=16)
+    s.add(Request("a", list(range(3, 13)), SamplingParams(max_tokens=10, temperature=0), 0.0))
+    s.update(s.schedule(), {"a": 7})
+    s.update(s.schedule(), {"a": 8})  # writes its two full blocks through: clean from here on
+    copies = s.kv.swap_out(s.requests["a"], step=99)
+    assert len(copies) == 1, "only the dirty tail is copied out"
+    assert set(s.kv.pool.held) == {copies[0][0]} and s.kv.pool.num_free == 7
+    s.abort("a")
+    assert set(s.kv.cpu.held) == {copies[0][1]}
+    s.kv.retire(99)
+    assert s.kv.pool.num_free == 8 and s.kv.cpu.num_free == 16

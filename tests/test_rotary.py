@@ -179,8 +179,9 @@ def test_watermark_rotates_oldest_running_when_free_blocks_fall_under_it():
 
 
 # --- safety invariants over random workloads -------------------------------------------------
-def plan_blocks(plan) -> tuple[set[int], set[int]]:
-    gpu = {b for q in plan.seqs for b in q.block_ids} | {g for g, _ in plan.swap_out} | {g for _, g in plan.swap_in}
+def copied_blocks(plan) -> tuple[set[int], set[int]]:
+    """GPU and CPU blocks the plan's copies read or write."""
+    gpu = {g for g, _ in plan.swap_out} | {g for _, g in plan.swap_in}
     cpu = {c for _, c in plan.swap_out} | {c for c, _ in plan.swap_in}
     return gpu, cpu
 
@@ -218,14 +219,14 @@ def test_two_tier_invariants_over_random_workloads(ops, num_blocks, cpu_blocks, 
         assert moved <= xfer, "per-step moved blocks stay within the transfer budget"
         assert not {g for g, _ in plan.swap_out} & {g for _, g in plan.swap_in}, "GPU block both source and dest"
         assert not {c for _, c in plan.swap_out} & {c for c, _ in plan.swap_in}, "CPU block both dest and source"
-        gpu, cpu = plan_blocks(plan)
+        gpu, cpu = copied_blocks(plan)
         while mid_flight_aborts:  # aborts that arrive while the step is in flight
             idx, _ = mid_flight_aborts.popleft()
             req = s.abort(added[idx % len(added)])
             if req is not None:
                 ended.add(req.request_id)
-        assert not gpu & set(s.kv.pool.free), "a block the in-flight step touches was freed for reuse"
-        assert not cpu & set(s.kv.cpu.free), "a CPU block the in-flight step touches was freed for reuse"
+        assert not gpu & set(s.kv.pool.free), "a block the in-flight step's copies touch was freed for reuse"
+        assert not cpu & set(s.kv.cpu.free), "a CPU block the in-flight step's copies touch was freed for reuse"
         for req in s.update(plan, {q.request_id: 7 for q in plan.seqs if q.sample}):
             if req.is_finished:
                 ended.add(req.request_id)

@@ -10,11 +10,13 @@ block never changes again, so it is copied to the CPU tier as soon as it fills (
 write-through); rotating a request out then only copies its partial tail, and rotating it back in
 reuses its blocks still cached on the GPU and copies in only the rest.
 
-Safety: a block released while a planned step may still read or write it (its compute or its
-copies) is quarantined with that step's id as a fence, and returns to the free list only when
-the engine reports the step complete. So no block is reused while in flight, and no block is both
-a copy source and a copy destination in one step. Blocks nothing in flight touches (clean blocks
-of a rotated-out request, all blocks of a preempted one) are free at once.
+Safety: a block released while a copy of a submitted step still reads or writes it is
+quarantined with that step's id as a fence, and returns to the free list only when the engine
+reports the step complete; so no block is both a copy source and a copy destination in one step,
+and no block is reused under a copy. Blocks only the model's compute touches are free at once:
+every later use of a block on the device is ordered after the compute already submitted (the
+compute stream runs steps in order, copy-in waits on the previous step's compute event), so the
+host may hand them out while a step still runs (async scheduling).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 class BlockPool:
     """Fixed set of block ids with reference counts, an LRU free list, a prefix-hash index and a
-    quarantine of released blocks that an unfinished step may still touch."""
+    quarantine of released blocks that an unfinished copy may still touch."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -49,6 +51,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
+        self.copying: dict[int, int] = {}  # block -> the newest step with a copy from or to it
 
     @property
     def num_free(self) -> int:
@@ -76,21 +79,29 @@ class BlockPool:
             del self.free[block]
         self.ref_cnt[block] += 1
 
-    def release(self, blocks: Iterable[int], fence: int | None = None) -> None:
+    def copied(self, blocks: Iterable[int], step: int) -> None:
+        """A copy in `step` reads or writes these blocks: releasing them waits for the step."""
+        for block in blocks:
+            self.copying[block] = step
+
+    def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference to each block. A block reaching zero goes to the free list's tail,
-        or, with a fence, into quarantine until `retire(fence)`."""
+        or, while a copy of an unfinished step touches it, into quarantine until that step retires."""
         for block in blocks:
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] < 0:
                 raise RuntimeError(f"block {block} released more often than it was taken")
             if self.ref_cnt[block] == 0:
+                fence = self.copying.get(block)
                 if fence is None:
                     self.free[block] = None
                 else:
                     self.held[block] = fence
 
     def retire(self, completed_step: int) -> None:
-        """Steps up to `completed_step` are done: their quarantined blocks become free."""
+        """Steps up to `completed_step` are done: their copies are over, their quarantine is free."""
+        if self.copying:
+            self.copying = {b: step for b, step in self.copying.items() if step > completed_step}
         done = [b for b, fence in self.held.items() if fence <= completed_step]
         for block in done:
             del self.held[block]
@@ -124,8 +135,6 @@ class KVCacheManager:
         self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # The newest submitted step that has not completed: plain releases wait for it.
-        self.in_flight: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -142,13 +151,8 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def submitted(self, step: int) -> None:
-        self.in_flight = step
-
     def retire(self, completed_step: int) -> None:
         """Every step up to `completed_step` has finished its compute and its copies."""
-        if self.in_flight is not None and completed_step >= self.in_flight:
-            self.in_flight = None
         self.pool.retire(completed_step)
         if self.cpu:
             self.cpu.retire(completed_step)
@@ -225,20 +229,22 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks in both tiers, tail first so shared prefixes go last.
 
-        Blocks a submitted step may still touch stay quarantined until it completes.
+        Blocks an unfinished copy touches stay quarantined until its step completes.
         """
-        self.pool.release(reversed(req.block_ids), self.in_flight)
+        self.pool.release(reversed(req.block_ids))
         req.block_ids = []
         if self.cpu:
-            self.cpu.release(reversed(req.cpu_block_ids), self.in_flight)
+            self.cpu.release(reversed(req.cpu_block_ids))
             if req.cpu_tail is not None:
-                self.cpu.release([req.cpu_tail], self.in_flight)
+                self.cpu.release([req.cpu_tail])
         req.cpu_block_ids = []
         req.cpu_tail = None
 
     # --- the CPU tier ------------------------------------------------------------------------
-    def write_through(self, req: Request, budget: int, complete_tokens: int | None = None) -> list[tuple[int, int]]:
-        """Copy up to `budget` of the request's newly full GPU blocks to the CPU tier.
+    def write_through(
+        self, req: Request, budget: int, step: int, complete_tokens: int | None = None
+    ) -> list[tuple[int, int]]:
+        """Copy up to `budget` of the request's newly full GPU blocks to the CPU tier in `step`.
 
         Only blocks full within the first `complete_tokens` tokens (default: all computed ones)
         are copied: KV the step being planned will write is not final yet. Returns (gpu block,
@@ -263,7 +269,12 @@ class KVCacheManager:
             self.cpu.register(block, hashes[i])
             req.cpu_block_ids.append(block)
             copies.append((req.block_ids[i], block))
+        self._copying((g for g, _ in copies), (c for _, c in copies), step)
         return copies
+
+    def _copying(self, gpu_blocks: Iterable[int], cpu_blocks: Iterable[int], step: int) -> None:
+        self.pool.copied(gpu_blocks, step)
+        self.cpu.copied(cpu_blocks, step)
 
     def swap_out_cost(self, req: Request) -> int:
         """Blocks to copy to rotate the request out: full blocks not yet written through, plus
@@ -281,14 +292,13 @@ class KVCacheManager:
         """
         if self.cpu is None or self.swap_out_cost(req) > self.cpu.num_free:
             return None
-        copies = self.write_through(req, budget=len(req.block_ids))
+        copies = self.write_through(req, len(req.block_ids), step)
         if req.num_computed_tokens % self.block_size:
             (tail,) = self.cpu.allocate(1)
             req.cpu_tail = tail
             copies.append((req.block_ids[req.num_computed_tokens // self.block_size], tail))
-        sources = {g for g, _ in copies}
-        self.pool.release([b for b in reversed(req.block_ids) if b in sources], step)
-        self.pool.release([b for b in reversed(req.block_ids) if b not in sources], self.in_flight)
+            self._copying([copies[-1][0]], [tail], step)
+        self.pool.release(reversed(req.block_ids))
         req.block_ids = []
         return copies
 
@@ -331,7 +341,10 @@ class KVCacheManager:
             (block,) = self.pool.allocate(1)
             req.block_ids.append(block)
             copies.append((req.cpu_tail, block))
-            self.cpu.release([req.cpu_tail], step)  # this step's copy-in reads it
+        if copies:
+            self._copying((g for _, g in copies), (c for c, _ in copies), step)
+        if req.cpu_tail is not None:
+            self.cpu.release([req.cpu_tail])  # quarantined: this step's copy-in reads it
             req.cpu_tail = None
         growth = self.growth_blocks(req, num_new_tokens)
         if growth:

@@ -177,10 +177,9 @@ class Scheduler:
                 if step.transfer_left <= 0:
                     break
                 done = step.start_pos.get(req.request_id, req.num_computed_tokens)
-                copies = self.kv.write_through(req, step.transfer_left, done)
+                copies = self.kv.write_through(req, step.transfer_left, step.id, done)
                 step.swap_out += copies
                 step.transfer_left -= len(copies)
-        self.kv.submitted(step.id)
         self._submitted[step.id] = step.requests
         released, self._released = self._released, []
         return StepPlan(
