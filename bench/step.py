@@ -1,8 +1,8 @@
 """step: engine decode and prefill throughput against the hardware limits measured in the same run.
 
-Decode: B requests at a given context length; the median step time against the roofline
-(weight bytes + KV bytes read) / measured HBM bandwidth. Prefill: tokens per second and the share
-of bf16 peak (2 x parameters x tokens FLOPs).
+Decode: B requests at a given context length; the time per step against the roofline
+(weight bytes + KV bytes read) / measured HBM bandwidth, with and without async scheduling.
+Prefill: tokens per second and the share of bf16 peak (2 x parameters x tokens FLOPs).
 
     python -m bench.step --device cuda --model llama-3-8b [--batches 1,16,64,256] [--context 2048]
     python -m bench.step --device cpu --model tiny --batches 1,8 --context 128   # smoke run
@@ -46,23 +46,24 @@ def hbm_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def decode(core: EngineCore, batch: int, context: int, steps: int) -> float:
-    """Median seconds per decode step of `batch` requests at `context` tokens."""
+def decode(core: EngineCore, batch: int, context: int, steps: int, async_scheduling: bool) -> float:
+    """Seconds per decode step of `batch` requests at `context` tokens (wall time of the whole
+    decode phase over its steps: with async scheduling the host's work hides behind the GPU's)."""
     rng = random.Random(batch)
     vocab = core.model_config.vocab_size
     for i in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(context)]
-        core.add_request(f"d{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True))
+        core.add_request(f"d{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    core.async_scheduling = False
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()  # prefill, not timed
-    times = []
+    core.async_scheduling = async_scheduling
+    sync(core.device)
+    t0 = time.perf_counter()
     while core.has_work:
-        sync(core.device)
-        t0 = time.perf_counter()
         core.step()
-        sync(core.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:-1])
+    sync(core.device)
+    return (time.perf_counter() - t0) / steps
 
 
 def prefill(core: EngineCore, tokens: int) -> float:
@@ -106,16 +107,17 @@ def main() -> None:
         if core.kv.blocks_for(args.context + args.steps + 4) * b > core.kv.num_blocks:
             print(f"B={b}: does not fit in {core.kv.num_blocks} KV blocks, skipped")
             continue
-        seconds = decode(core, b, args.context, args.steps)
         bound = (weight_bytes + b * (args.context + args.steps // 2) * kv_per_token) / bw
-        figures[f"decode_b{b}_ms"] = 1000 * seconds
-        figures[f"decode_b{b}_tok_s"] = b / seconds
-        figures[f"decode_b{b}_share_of_roofline"] = bound / seconds
-        print(
-            f"decode B={b:4d}: {1000 * seconds:8.2f} ms/step  {b / seconds:9.0f} tok/s  "
-            f"roofline share {bound / seconds:.2f}",
-            flush=True,
-        )
+        for mode, suffix in ((False, "_sync"), (True, "")):
+            seconds = decode(core, b, args.context, args.steps, mode)
+            figures[f"decode_b{b}_ms{suffix}"] = 1000 * seconds
+            figures[f"decode_b{b}_tok_s{suffix}"] = b / seconds
+            figures[f"decode_b{b}_share_of_roofline{suffix}"] = bound / seconds
+            print(
+                f"decode B={b:4d} {'async' if mode else 'sync':5s}: {1000 * seconds:8.2f} ms/step  "
+                f"{b / seconds:9.0f} tok/s  roofline share {bound / seconds:.2f}",
+                flush=True,
+            )
     seconds = prefill(core, args.prefill_tokens)
     flops = 2 * mc.num_params() * args.prefill_tokens
     figures["prefill_tok_s"] = args.prefill_tokens / seconds

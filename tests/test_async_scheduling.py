@@ -7,6 +7,8 @@ token sampled past a stop is dropped; nothing leaks, whatever is aborted while s
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from superinfer.engine.core.plan import PLACEHOLDER
@@ -41,8 +43,8 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]], sampling: dict[str,
     }
 
 
-@pytest.fixture(scope="module")
-def mixed_sampling() -> dict[str, SamplingParams]:
+@functools.cache
+def mixed_sampling_params() -> dict[str, SamplingParams]:
     """Greedy, seeded random, logprobs, min_tokens, and stops that land mid-generation."""
     probe = run_all(
         engine("tiny", max_model_len=256),
@@ -65,6 +67,11 @@ def mixed_sampling() -> dict[str, SamplingParams]:
         else:
             sampling[rid] = SamplingParams(max_tokens=12, temperature=0, min_tokens=10, stop_token_ids=(tokens[2],))
     return sampling
+
+
+@pytest.fixture
+def mixed_sampling() -> dict[str, SamplingParams]:
+    return mixed_sampling_params()
 
 
 @pytest.mark.parametrize(

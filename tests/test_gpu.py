@@ -8,6 +8,7 @@ import torch
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
+from tests.test_async_scheduling import PROMPTS, mixed_sampling_params, run_all
 from tests.test_engine import random_prompts, run
 
 pytestmark = pytest.mark.gpu
@@ -36,3 +37,42 @@ def test_dummy_preset_serves_on_cuda_in_bf16():
     out = run(core, prompts, SamplingParams(max_tokens=8, temperature=0.7, seed=1, ignore_eos=True))
     assert all(len(tokens) == 8 for tokens in out.values())
     assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
+def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling):
+    """Rotary policy with a tiny GPU pool: KV moves over the two copy streams (pinned CPU tier)
+    while steps run, with and without async scheduling; tokens equal the CPU run without pressure."""
+    sampling = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = random_prompts(10, 2000, seed=9, lo=10, hi=50)
+    cpu = EngineCore(EngineConfig(model="tiny", device="cpu", dtype="float32", num_gpu_blocks=256))
+    reference = run(cpu, prompts, sampling)
+    core = EngineCore(
+        EngineConfig(
+            model="tiny",
+            device="cuda",
+            dtype="float32",
+            policy="rotary",
+            num_gpu_blocks=20,
+            num_cpu_blocks=400,
+            transfer_budget_blocks=16,
+            async_scheduling=async_scheduling,
+        )
+    )
+    assert core.runner.duplex.cpu.is_pinned()
+    assert run(core, prompts, sampling) == reference
+    assert core.scheduler.counters.rotations > 5
+    assert core.kv.pool.num_free == core.kv.num_blocks and core.kv.cpu.num_free == core.kv.cpu.num_blocks
+
+
+def test_async_scheduling_on_cuda_matches_sync():
+    """Stops the scheduler cannot foresee, seeds, logprobs: the pipelined CUDA engine equals the synchronous one."""
+    outs = {}
+    for mode in (False, True):
+        core = EngineCore(
+            EngineConfig(model="tiny", device="cuda", dtype="float32", num_gpu_blocks=14, async_scheduling=mode)
+        )
+        outs[mode] = run_all(core, PROMPTS, mixed_sampling_params())
+    for rid, (tokens, text, logprobs, reason) in outs[False].items():
+        assert outs[True][rid][0] == tokens and outs[True][rid][1] == text and outs[True][rid][3] == reason
+        assert [v for _, v in outs[True][rid][2]] == pytest.approx([v for _, v in logprobs], abs=1e-4)
