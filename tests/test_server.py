@@ -19,8 +19,8 @@ from superinfer.engine.server import RunningServer, start_server
 MODEL = "tiny-test"
 
 
-@pytest.fixture
-async def server():
+@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+async def server(request):
     running = await start_server(
         EngineConfig(
             model="tiny",
@@ -30,6 +30,7 @@ async def server():
             max_model_len=256,
             num_gpu_blocks=64,
             max_request_bytes=64 * 1024,
+            async_scheduling=request.param,
         )
     )
     yield running
