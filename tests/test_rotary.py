@@ -139,6 +139,32 @@ def test_contention_rotates_the_longest_running_decode_for_a_lagging_arrival():
     assert s.requests["new"].t_first_token is not None
 
 
+def test_prioritize_selects_only_what_the_transfer_budget_can_bring_in():
+    """Six rotated-out requests need 4 copies each; B_xfer = 10 moves two per step. Selecting
+    more would rotate running requests out for room nobody can use this step."""
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=36, num_cpu_blocks=100, xfer=10, clock=clock)
+    s.add(make_request("long", 60, max_tokens=30, first_token=200))
+    step(s)
+    step(s)  # "long" decodes, holding 16 of 36 blocks: 20 free, the six need 24
+    for i in range(6):  # rotated out earlier: 3 full blocks and a tail in the CPU tier, none left on the GPU
+        req = make_request(f"r{i}", 14, max_tokens=30, first_token=10 * i)
+        req.output_token_ids, req.token_ids = [5], [*req.prompt_token_ids, 5]
+        req.num_computed_tokens, req.t_last_token = 14, 0.0
+        req.status, req.cpu_block_ids, (req.cpu_tail,) = (
+            RequestStatus.ROTARY,
+            s.kv.cpu.allocate(3),
+            s.kv.cpu.allocate(1),
+        )
+        s.requests[req.request_id] = req
+        s.rotary.append(req)
+    clock.now = 1.0
+    assert [s.kv.swap_in_need(r, 1) for r in s.rotary] == [(4, 4)] * 6
+    decision = s.policy.decide(s, clock.now)
+    assert [r.request_id for r in decision.admit] == ["r0", "r1"]
+    assert decision.rotate_out == [], "the free blocks hold what can come in: nothing is rotated out"
+
+
 def test_only_decode_phase_requests_are_rotated():
     clock = Clock()
     s = rotary_scheduler(num_blocks=8, budget=4, clock=clock)

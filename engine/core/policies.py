@@ -100,15 +100,23 @@ class RotaryPolicy:
         vlt = {r.request_id: virtual_lag_time(r, now, p) for r in [*sched.running, *others]}
         ranked = sorted([*sched.running, *others], key=lambda r: -vlt[r.request_id])  # stable: arrival order on ties
         left = free + p.transfer_budget_blocks
+        xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
         admit = []
         for r in ranked:
-            if left <= 0:
+            if left <= 0 or xfer_left <= 0:
                 break  # Prioritize is done: nothing more fits under free + B_xfer
-            if r.status is not RequestStatus.RUNNING and vlt[r.request_id] >= 0:
-                n = need[r.request_id] if r.request_id in need else sched.block_need(r)
-                if n <= left:
-                    admit.append(r)
-                    left -= n
+            if r.status is RequestStatus.RUNNING or vlt[r.request_id] < 0:
+                continue
+            if r.status is RequestStatus.ROTARY:
+                n, copies = kv.swap_in_need(r, sched.next_tokens(r))
+            else:
+                n, copies = need[r.request_id] if r.request_id in need else sched.block_need(r), 0
+            # A request that could never come back within one step's budget still goes to the
+            # scheduler, which prefills it again instead.
+            if n <= left and (copies <= xfer_left or copies > p.transfer_budget_blocks):
+                admit.append(r)
+                left -= n
+                xfer_left -= copies
         to_free = p.transfer_budget_blocks - left
         rotate_out = []
         for r in reversed(ranked):
