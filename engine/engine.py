@@ -208,8 +208,13 @@ class EngineCore:
             self.metrics.on_finish(req, self.clock())
 
     @property
+    def step_in_flight(self) -> bool:
+        """A submitted step whose results are not collected yet (async scheduling)."""
+        return self._in_flight is not None
+
+    @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._in_flight is not None
+        return self.scheduler.has_work or self.step_in_flight
 
     # --- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

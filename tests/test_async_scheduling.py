@@ -108,7 +108,7 @@ def test_abort_while_steps_are_in_flight_frees_everything():
     aborted_in_flight = 0
     for n in range(12):
         core.step()
-        if n % 3 == 2 and core._in_flight is not None:
+        if n % 3 == 2 and core.step_in_flight:
             core.abort(next(iter(core.scheduler.requests)))
             aborted_in_flight += 1
     assert aborted_in_flight > 0
