@@ -87,11 +87,16 @@ class RotaryPolicy:
         kv, p = sched.kv, self.params
         others = [*sched.waiting, *by_arrival(sched.rotary)]
         free = kv.num_free_blocks - sum(kv.growth_blocks(r, sched.next_tokens(r)) for r in sched.running)
-        need: dict[str, int] = {}
+        costs: dict[str, tuple[int, int]] = {}
+
+        def cost(r: Request) -> tuple[int, int]:
+            if r.request_id not in costs:
+                costs[r.request_id] = sched.admission_cost(r)
+            return costs[r.request_id]
+
         total = 0
         for r in others:  # contention check; stops at the first sign of contention
-            need[r.request_id] = sched.block_need(r)
-            total += need[r.request_id]
+            total += cost(r)[0]
             if total > free:
                 break
         else:
@@ -107,10 +112,7 @@ class RotaryPolicy:
                 break  # Prioritize is done: nothing more fits under free + B_xfer
             if r.status is RequestStatus.RUNNING or vlt[r.request_id] < 0:
                 continue
-            if r.status is RequestStatus.ROTARY:
-                n, copies = kv.swap_in_need(r, sched.next_tokens(r))
-            else:
-                n, copies = need[r.request_id] if r.request_id in need else sched.block_need(r), 0
+            n, copies = cost(r)
             # A request that could never come back within one step's budget still goes to the
             # scheduler, which prefills it again instead.
             if n <= left and (copies <= xfer_left or copies > p.transfer_budget_blocks):

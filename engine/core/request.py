@@ -125,10 +125,10 @@ class Request:
 
     def ends_after_pending(self, max_model_len: int) -> bool:
         """Its pending tokens reach max_tokens or the context length: it stops whatever they are."""
+        if not self.num_pending_tokens:
+            return False
         total = self.num_scheduled_tokens
-        return self.num_pending_tokens > 0 and (
-            total - self.num_prompt_tokens >= self.sampling.max_tokens or total >= max_model_len
-        )
+        return total - self.num_prompt_tokens >= self.sampling.max_tokens or total >= max_model_len
 
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """Why the request must stop after its newest token, if it must (stop strings aside)."""

@@ -153,11 +153,12 @@ class Scheduler:
         """Tokens the request would compute next step (a decode token, or its whole remaining prefill)."""
         return req.num_scheduled_tokens - req.num_computed_tokens
 
-    def block_need(self, req: Request) -> int:
-        """Free GPU blocks a non-running request takes to be admitted and finish its next step."""
+    def admission_cost(self, req: Request) -> tuple[int, int]:
+        """(free GPU blocks taken, blocks copied in) for a non-running request to be admitted and
+        finish its next step."""
         if req.status is RequestStatus.ROTARY:
-            return self.kv.swap_in_need(req, self.next_tokens(req))[0]
-        return self.kv.admission_need(req)
+            return self.kv.swap_in_need(req, self.next_tokens(req))
+        return self.kv.admission_need(req), 0
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
