@@ -206,6 +206,7 @@ class EngineCore:
         if req is not None:
             self._live.pop(request_id, None)
             self.metrics.on_finish(req, self.clock())
+            self.metrics.on_state(self.scheduler, self.kv)
 
     @property
     def step_in_flight(self) -> bool:

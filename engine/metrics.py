@@ -115,6 +115,28 @@ class EngineMetrics:
         block_bytes: int,
         phase_seconds: dict[str, float],
     ) -> None:
+        self.on_state(sched, kv)
+        for phase, seconds in phase_seconds.items():
+            self._child(self.step, phase).observe(seconds)
+        counters = sched.counters
+        for mode, n in counters.preemptions.items():
+            if n > self._seen.preemptions[mode]:
+                self._c("preemptions", mode).inc(n - self._seen.preemptions[mode])
+                self._seen.preemptions[mode] = n
+        if counters.rotations > self._seen.rotations:
+            self._c("rotations").inc(counters.rotations - self._seen.rotations)
+            self._seen.rotations = counters.rotations
+        for direction, blocks, seconds in (
+            ("gpu_to_cpu", copies.blocks_out, copies.seconds_out),
+            ("cpu_to_gpu", copies.blocks_in, copies.seconds_in),
+        ):
+            if blocks:
+                self._c("kv_swap_bytes", direction).inc(blocks * block_bytes)
+                self._child(self.swap_seconds, direction).observe(seconds)
+
+    def on_state(self, sched: Scheduler, kv: KVCacheManager) -> None:
+        """Set the gauges from the scheduler and block pools as they are now (after every step,
+        and after anything that changes them between steps, such as an abort with the engine idle)."""
         self._g("requests_running").set(sched.num_running)
         self._g("requests_waiting").set(sched.num_waiting)
         self._g("requests_rotary").set(sched.num_rotary)
@@ -135,23 +157,6 @@ class EngineMetrics:
                 self._g("kv_cache_usage_ratio", tier).set(pool.num_used / pool.num_blocks)
                 for state, n in states[tier].items():
                     self._g("kv_blocks", tier, state).set(n)
-        for phase, seconds in phase_seconds.items():
-            self._child(self.step, phase).observe(seconds)
-        counters = sched.counters
-        for mode, n in counters.preemptions.items():
-            if n > self._seen.preemptions[mode]:
-                self._c("preemptions", mode).inc(n - self._seen.preemptions[mode])
-                self._seen.preemptions[mode] = n
-        if counters.rotations > self._seen.rotations:
-            self._c("rotations").inc(counters.rotations - self._seen.rotations)
-            self._seen.rotations = counters.rotations
-        for direction, blocks, seconds in (
-            ("gpu_to_cpu", copies.blocks_out, copies.seconds_out),
-            ("cpu_to_gpu", copies.blocks_in, copies.seconds_in),
-        ):
-            if blocks:
-                self._c("kv_swap_bytes", direction).inc(blocks * block_bytes)
-                self._child(self.swap_seconds, direction).observe(seconds)
         self._compat("running", "set", sched.num_running)
         self._compat("waiting", "set", sched.num_waiting)
         self._compat("kv", "set", kv.usage)

@@ -157,6 +157,32 @@ def test_abort_frees_blocks_and_emits_nothing_more(tiny):
     assert tiny.step() == []
 
 
+def gauge(core: EngineCore, name: str, **labels: str) -> float | None:
+    return core.metrics.registry.get_sample_value(
+        f"superinfer_engine_{name}", {"model_name": core.config.model_name, **labels}
+    )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gauges_tell_the_truth_when_the_engine_goes_idle(async_scheduling):
+    core = engine("tiny", max_model_len=512, async_scheduling=async_scheduling)
+    prompts = random_prompts(2, core.model_config.vocab_size, seed=9, lo=40, hi=50)
+    core.add_request("long", prompts["r0"], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    core.add_request("short", prompts["r1"], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    finished = False
+    while not finished:
+        finished = any(o.finished for o in core.step())
+    assert gauge(core, "requests_running") == 1
+    assert gauge(core, "kv_cache_usage_ratio", tier="gpu") > 0
+    core.abort("long")  # nothing is left to step: only the abort can refresh the gauges
+    while core.has_work:
+        core.step()
+    assert gauge(core, "requests_running") == 0
+    assert gauge(core, "requests_waiting") == 0
+    assert gauge(core, "kv_cache_usage_ratio", tier="gpu") == 0
+    assert gauge(core, "kv_blocks", tier="gpu", state="free") == core.kv.num_blocks
+
+
 def test_top_p_applies_to_the_renormalised_top_k_set():
     from superinfer.engine.sampling import _truncate
 
