@@ -66,13 +66,15 @@ def run_point(args: argparse.Namespace, policy: str, rate: float) -> dict[str, f
     report.update(
         rate=rate,
         rotations=counters.rotations,
+        rotations_per_request=counters.rotations / max(1.0, report["requests"]),
         recomputes=counters.preemptions["recompute"],
         num_gpu_blocks=core.kv.num_blocks,
     )
     print(
         f"{policy:9s} rate {rate:6.1f}: TTFT att {report['ttft_attainment']:.2f}  TBT att "
-        f"{report['tbt_attainment']:.2f}  TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput "
-        f"{report['throughput_tok_s']:.0f} tok/s  rotations {counters.rotations}",
+        f"{report['tbt_attainment']:.2f}  goodput {report['goodput_share']:.2f} ({report['goodput_rps']:.2f} req/s)  "
+        f"TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput {report['throughput_tok_s']:.0f} tok/s  "
+        f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)",
         flush=True,
     )
     return report
@@ -134,10 +136,11 @@ def main() -> None:
         figures["top_rate_ttft_gain_points"] = 100 * (top["rotary"]["ttft_attainment"] - top["fcfs"]["ttft_attainment"])
         figures["top_rate_tbt_delta_points"] = 100 * (top["rotary"]["tbt_attainment"] - top["fcfs"]["tbt_attainment"])
         figures["top_rate_throughput_ratio"] = top["rotary"]["throughput_tok_s"] / top["fcfs"]["throughput_tok_s"]
+        figures["top_rate_goodput_ratio"] = top["rotary"]["goodput_rps"] / max(1e-9, top["fcfs"]["goodput_rps"])
         print(
             f"top rate: rotary vs fcfs TTFT attainment {figures['top_rate_ttft_gain_points']:+.1f} points, "
             f"TBT {figures['top_rate_tbt_delta_points']:+.1f} points, "
-            f"throughput x{figures['top_rate_throughput_ratio']:.2f}"
+            f"throughput x{figures['top_rate_throughput_ratio']:.2f}, goodput x{figures['top_rate_goodput_ratio']:.2f}"
         )
     goal = {
         "ttft_gain_points": ">= +75 on the GH200 profile, >= +40 on PCIe H100/H200",

@@ -40,7 +40,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, float]:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        table.add_row(key, f"{value:.3f}" if "attainment" in key else f"{value:.1f}")
+        table.add_row(key, f"{value:.3f}" if "attainment" in key or "share" in key else f"{value:.2f}")
     console.print(table)
     if args.json:
         args.json.write_text(

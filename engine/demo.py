@@ -16,7 +16,9 @@ from superinfer.engine.workload import WorkItem, burst_workload, prompt_tokens
 
 ROWS = (
     ("TTFT attainment", "ttft_attainment", "{:.0%}"),
-    ("TBT attainment", "tbt_attainment", "{:.0%}"),
+    ("TBT attainment (p99 gap)", "tbt_attainment", "{:.0%}"),
+    ("goodput (both SLOs)", "goodput_share", "{:.0%}"),
+    ("goodput (req/s)", "goodput_rps", "{:.2f}"),
     ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"),
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
     ("TBT p50 (ms)", "tbt_p50_ms", "{:.1f}"),
@@ -24,6 +26,7 @@ ROWS = (
     ("TPOT p99 (ms)", "tpot_p99_ms", "{:.1f}"),
     ("throughput (tok/s)", "throughput_tok_s", "{:.0f}"),
     ("rotations", "rotations", "{:.0f}"),
+    ("rotations per request", "rotations_per_request", "{:.1f}"),
     ("recompute preemptions", "recomputes", "{:.0f}"),
 )
 
@@ -38,6 +41,7 @@ async def run_policy(config: EngineConfig, items: list[WorkItem]) -> tuple[dict[
         timings, duration = await run_load(running.url, config.model_name, load)
         report = summarize(timings, duration)
         report["rotations"] = core.scheduler.counters.rotations
+        report["rotations_per_request"] = report["rotations"] / max(1.0, report["requests"])
         report["recomputes"] = core.scheduler.counters.preemptions["recompute"]
         return report, timings
     finally:

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,6 +81,7 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, d
 class _Live:
     stream: TextStream
     t_last: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between its output tokens
 
 
 class EngineCore:
@@ -204,8 +205,8 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         req = self.scheduler.abort(request_id)
         if req is not None:
-            self._live.pop(request_id, None)
-            self.metrics.on_finish(req, self.clock())
+            live = self._live.pop(request_id, None)
+            self.metrics.on_finish(req, self.clock(), live.gaps if live else [])
             self.metrics.on_state(self.scheduler, self.kv)
 
     @property
@@ -250,6 +251,8 @@ class EngineCore:
         for req in touched:
             live = self._live[req.request_id]
             gap = None if live.t_last is None else now - live.t_last
+            if gap is not None:
+                live.gaps.append(gap)
             live.t_last = now
             live.stream.feed(req.output_token_ids[-1], last=req.is_finished)
             if live.stream.stopped:  # a stop string matched (also on the very last token)
@@ -260,7 +263,7 @@ class EngineCore:
             self.metrics.on_token(req, gap)
             if req.is_finished:
                 del self._live[req.request_id]
-                self.metrics.on_finish(req, now)
+                self.metrics.on_finish(req, now, live.gaps)
             lp = result.logprobs.get(req.request_id)
             outputs.append(
                 RequestOutput(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -10,7 +11,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
-from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, tpot
+from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, p99_gap
 
 if TYPE_CHECKING:
     from superinfer.engine.duplex import CopyStats
@@ -176,7 +177,8 @@ class EngineMetrics:
             self._child(self.tbt).observe(gap_s)
             self._compat("itl", "observe", gap_s)
 
-    def on_finish(self, req: Request, now: float) -> None:
+    def on_finish(self, req: Request, now: float, gaps: Sequence[float]) -> None:
+        """A request ended; `gaps` are the seconds between its output tokens (its TBT judgement)."""
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         self._c("requests_finished", reason).inc()
         self._child(self.e2e).observe(now - req.arrival_time)
@@ -184,7 +186,7 @@ class EngineMetrics:
         if req.t_first_token is None:
             return  # aborted before its first token: no latency to judge
         ttft_met = meets_ttft(req.t_first_token - req.arrival_time, req.slo)
-        tbt_met = meets_tbt(tpot(req.t_first_token, req.t_last_token, req.num_output_tokens), req.slo)
+        tbt_met = meets_tbt(p99_gap(gaps), req.slo)
         self._c("slo_requests", "met" if ttft_met else "missed", "met" if tbt_met else "missed").inc()
 
     def render(self) -> bytes:

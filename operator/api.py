@@ -138,7 +138,7 @@ class SLOSpec(KubeModel):
     ttft_ms: float = Field(default=DEFAULT_TTFT_SLO_MS, gt=0)
     """Time-to-first-token target in milliseconds."""
     tbt_ms: float = Field(default=DEFAULT_TBT_SLO_MS, gt=0)
-    """Time-between-tokens target in milliseconds (a request meets it when its mean gap does)."""
+    """Time-between-tokens target in milliseconds (a request meets it when its p99 gap between tokens does)."""
     attainment_target: float = Field(default=0.95, gt=0, le=1)
     """Share of requests that must meet both targets."""
     window_seconds: int = Field(default=120, ge=10)
