@@ -44,6 +44,14 @@ class EngineConfig(BaseModel):
     rotary_beta_f: float = Field(0.5, ge=0)
     rotary_beta_b: float = Field(0.0, ge=0)
     transfer_budget_blocks: int = Field(2400, ge=1)
+    rotary_min_residency_ms: float = Field(
+        0.0, ge=0, description="rotary: a request brought to the GPU runs at least this long before it can leave"
+    )
+    slo_admission: bool = Field(
+        True,
+        description="rotary: from measured step times, cap prefill per step and hold new requests that would push "
+        "streaming requests past their TBT SLO",
+    )
     async_scheduling: bool | None = Field(
         None, description="plan step t+1 while the device runs step t (default: on with CUDA, off on CPU)"
     )

@@ -124,7 +124,12 @@ class EngineCore:
         self.block_bytes = block_bytes
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_cpu_blocks)
         rotary = RotaryParams(
-            config.rotary_alpha, config.rotary_beta_f, config.rotary_beta_b, config.transfer_budget_blocks
+            config.rotary_alpha,
+            config.rotary_beta_f,
+            config.rotary_beta_b,
+            config.transfer_budget_blocks,
+            min_residency_s=config.rotary_min_residency_ms / 1000.0,
+            slo_admission=config.slo_admission,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -56,9 +56,17 @@ def unpressured() -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("policy", ["rotary", "watermark"])
 def test_greedy_outputs_identical_with_frequent_rotation(policy, unpressured):
-    # 20 blocks of 16 tokens cannot hold 10 requests of up to 80 tokens: rotation is constant.
+    # 20 blocks of 16 tokens cannot hold 10 requests of up to 80 tokens: with no minimum residency
+    # and no admission control (both depend on this machine's step times) rotation is constant.
     rotating = engine(
-        "tiny", max_model_len=256, policy=policy, num_gpu_blocks=20, num_cpu_blocks=400, transfer_budget_blocks=16
+        "tiny",
+        max_model_len=256,
+        policy=policy,
+        num_gpu_blocks=20,
+        num_cpu_blocks=400,
+        transfer_budget_blocks=16,
+        rotary_min_residency_ms=0,
+        slo_admission=False,
     )
     assert run(rotating, PROMPTS, SAMPLING) == unpressured
     assert rotating.scheduler.counters.rotations > 5
@@ -127,16 +135,85 @@ def test_contention_rotates_the_longest_running_decode_for_a_lagging_arrival():
     clock.now = 1.0
     s.add(make_request("mid", 7, max_tokens=12, first_token=1))
     step(s)  # both running, 4 of 6 blocks used
-    clock.now = 2.0
     s.add(make_request("new", 7, max_tokens=12, first_token=2))  # needs 2 blocks; only 2 are free
+    clock.now = 3.0  # it arrived at 0: it lags after 0.5 x its 5 s TTFT SLO
     decision = s.policy.decide(s, clock.now)
     assert [r.request_id for r in decision.admit] == ["new"]
     assert [r.request_id for r in decision.rotate_out] == ["old"], "the longest-running decode yields first"
     plan = step(s)
     assert s.requests["old"].status is RequestStatus.ROTARY and plan.swap_out
-    clock.now = 2.1
+    clock.now = 3.1
     step(s)
     assert s.requests["new"].t_first_token is not None
+
+
+def test_an_arrival_that_does_not_lag_yet_waits_for_free_blocks():
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=6, clock=clock)
+    s.add(make_request("old", 7, max_tokens=12, first_token=0))
+    s.add(make_request("mid", 7, max_tokens=12, first_token=1))
+    step(s)
+    step(s)
+    s.add(make_request("new", 7, max_tokens=12, first_token=2))
+    clock.now = 2.0  # waited 2 s of its 2.5 s grace (0.5 x TTFT SLO): VLT 0
+    decision = s.policy.decide(s, clock.now)
+    assert decision.rotate_out == []
+    assert [r.request_id for r in decision.admit] == ["new"], "admitted only if free blocks hold it"
+    step(s)
+    assert s.counters.rotations == 0
+
+
+LOOSE_TBT = SLO(ttft_ms=5000, tbt_ms=60_000)  # never missed here: residency alone decides
+
+
+def test_a_request_brought_back_runs_its_minimum_residency_before_it_can_leave_again():
+    clock = Clock()
+    params = RotaryParams(min_residency_s=0.5, slo_admission=False)
+    s = rotary_scheduler(num_blocks=6, clock=clock, policy=RotaryPolicy(params))
+
+    def add(name: str, first_token: int) -> None:
+        req = make_request(name, 7, max_tokens=12, first_token=first_token)
+        req.slo = LOOSE_TBT
+        s.add(req)
+
+    add("old", 0)
+    step(s)
+    clock.now = 2.8
+    add("mid", 1)
+    step(s)
+    add("new", 2)
+    clock.now = 3.0
+    step(s)  # "new" lags: "old" (running since 0) is rotated out for it; "mid" has run only 0.2 s
+    assert s.requests["old"].status is RequestStatus.ROTARY
+    assert s.requests["new"].status is RequestStatus.RUNNING
+    clock.now = 3.2  # "old" lags now (alpha x 0.2 s), but "new" has run 0.2 s and "mid" 0.4 s
+    assert s.policy.decide(s, clock.now).rotate_out == [], "nobody has run its minimum residency yet"
+    clock.now = 3.35
+    assert [r.request_id for r in s.policy.decide(s, clock.now).rotate_out] == ["mid"]
+
+
+def thrash_run(min_residency_s: float) -> tuple[int, int]:
+    """Eight requests sharing room for four, 20 ms steps: (rotations, tokens)."""
+    clock = Clock()
+    params = RotaryParams(min_residency_s=min_residency_s, slo_admission=False)
+    s = rotary_scheduler(num_blocks=24, num_cpu_blocks=200, clock=clock, policy=RotaryPolicy(params))
+    for i in range(8):  # 6 blocks each at the end: 48 needed, 24 there
+        s.add(make_request(f"r{i}", 4, max_tokens=20, first_token=11 * i))
+        s.requests[f"r{i}"].slo = LOOSE_TBT
+    tokens = 0
+    while s.has_work:
+        plan = step(s)
+        tokens += sum(q.sample for q in plan.seqs)
+        clock.now += 0.02
+    return s.counters.rotations, tokens
+
+
+def test_minimum_residency_stops_rotation_thrash():
+    thrash_rotations, tokens = thrash_run(0.0)
+    rotations, same_tokens = thrash_run(0.2)
+    assert tokens == same_tokens == 8 * 20
+    assert thrash_rotations >= 4 * rotations, (thrash_rotations, rotations)
+    assert rotations > 0, "the overload still rotates, just not every step"
 
 
 def test_prioritize_selects_only_what_the_transfer_budget_can_bring_in():
@@ -279,3 +356,21 @@ def test_two_tier_invariants_over_random_workloads(ops, num_blocks, cpu_blocks, 
     assert not s.has_work, "nothing is stuck"
     assert s.kv.pool.num_free == num_blocks and s.kv.cpu.num_free == s.kv.cpu.num_blocks, "no leak in either tier"
     assert ended == set(added), "every request ends exactly once, none is lost"
+
+
+def test_a_request_that_already_missed_its_tbt_yields_first():
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=6, clock=clock, policy=RotaryPolicy(RotaryParams(slo_admission=False)))
+    s.add(make_request("old", 7, max_tokens=12, first_token=0))
+    step(s)
+    clock.now = 1.0
+    s.add(make_request("missed", 7, max_tokens=12, first_token=1))
+    step(s)
+    s.requests["old"].max_gap_s = 0.05  # (this clock jumps: set the gaps the story needs)
+    s.requests["missed"].max_gap_s = 0.5  # a 500 ms stall: its 100 ms TBT SLO is lost anyway
+    s.add(make_request("new", 7, max_tokens=12, first_token=2))
+    clock.now = 3.0
+    decision = s.policy.decide(s, clock.now)
+    assert [r.request_id for r in decision.rotate_out] == ["missed"], "not 'old', which still meets its SLO"
+    step(s)
+    assert s.requests["missed"].status is RequestStatus.ROTARY

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from superinfer.engine.core.request import Request, RequestStatus
+from superinfer.engine.core.step_time import StepShape
 
 if TYPE_CHECKING:
     from superinfer.engine.core.scheduler import Scheduler
@@ -27,6 +28,7 @@ class Decision:
     rotate_out: list[Request] = field(default_factory=list)  # running decodes to move to the CPU tier
     admit: list[Request] = field(default_factory=list)  # waiting/rotary requests, in admission order
     strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
+    token_budget: int | None = None  # a tighter token budget for this step than the configured one
 
 
 class Policy(Protocol):
@@ -60,6 +62,9 @@ class RotaryParams:
     beta_f: float = 0.5  # a waiting request starts lagging after beta_f * its TTFT SLO
     beta_b: float = 0.0  # a rotary request starts lagging after beta_b * its TBT SLO
     transfer_budget_blocks: int = 2400  # B_xfer: blocks moved between tiers per step
+    min_residency_s: float = 0.0  # a request that entered the GPU runs at least this long before it can leave
+    slo_admission: bool = True  # keep live requests within their TBT SLO (see tbt_guard)
+    tbt_headroom: float = 0.8  # share of the TBT SLO that the guard lets a token's turn take
 
 
 def virtual_lag_time(req: Request, now: float, p: RotaryParams) -> float:
@@ -76,6 +81,60 @@ def virtual_lag_time(req: Request, now: float, p: RotaryParams) -> float:
     return p.alpha * max(0.0, now - req.t_last_token - p.beta_b * req.slo.tbt_ms / 1000.0)
 
 
+MIN_PREFILL_CHUNK = 32  # tokens a capped step still gives prefills, so they always progress
+
+
+@dataclass(frozen=True)
+class TBTGuard:
+    """What the live requests' TBT SLO leaves room for this step."""
+
+    new_requests: int  # requests that may start (their first prefill) without breaking it
+    token_budget: int  # tokens the step may compute
+    residency_s: float  # how long a request may stay on the GPU while others wait their turn
+
+
+def tbt_guard(sched: Scheduler, headroom: float) -> TBTGuard | None:
+    """SLO-aware admission: from measured step times, how much new work the requests that already
+    stream tokens (running, rotary, or waiting again after a recompute) can take while each still
+    gets a token within `headroom` x its TBT SLO. With n of the D live requests fitting on the GPU
+    at once, a request gets a token every D / n steps of step time s(n); a new request raises D,
+    and a prefill chunk raises s. A request that leaves waits (D - n) / n turns of whoever
+    replaced it, so residency up to turn x n / (D - n) keeps its wait within the SLO while
+    rotating as little as that allows. None when there is nothing to protect, no step model yet, or even
+    one request alone could not meet the SLO on this machine.
+    """
+    model, now = sched.step_time, sched.clock()
+    streaming = [*sched.running, *sched.rotary, *(r for r in sched.waiting if r.t_first_token is not None)]
+    live = [r for r in streaming if not r.tbt_missed]
+    if not live or not model.ready:
+        return None
+    kv = sched.kv
+    turn = headroom * min(r.slo.tbt_ms for r in live) / 1000.0
+    context = sum(r.num_tokens for r in live) / len(live)
+    blocks = sum(kv.blocks_for(r.num_tokens + 1) for r in live) / len(live)
+    fit = max(1, min(sched.config.max_num_seqs, int(kv.num_blocks / blocks)))
+
+    def gap(d: int) -> float:
+        n = min(d, fit)
+        return model.predict(StepShape(n, round(n * context))) * d / n
+
+    if gap(1) > turn:
+        return None
+    new = [r for r in sched.waiting if r.t_first_token is None]
+    allowed = 0
+    # What the model predicts, and what the streaming requests feel: none starts while one of them
+    # has already waited its turn for its next token.
+    if all(now - r.t_last_token < turn for r in live if r.t_last_token is not None):
+        while allowed < len(new) and gap(len(live) + allowed + 1) <= turn:
+            allowed += 1
+    # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
+    step_s = turn * min(len(live), fit) / len(live)
+    running = sched.running
+    tokens = model.tokens_within(step_s, sum(r.num_tokens for r in running))
+    residency = turn * fit / (len(live) - fit) if len(live) > fit else float("inf")
+    return TBTGuard(allowed, max(tokens, len(running) + MIN_PREFILL_CHUNK), residency)
+
+
 class RotaryPolicy:
     name = "rotary"
     uses_cpu_tier = True
@@ -85,7 +144,15 @@ class RotaryPolicy:
 
     def decide(self, sched: Scheduler, now: float) -> Decision:
         kv, p = sched.kv, self.params
-        others = [*sched.waiting, *by_arrival(sched.rotary)]
+        guard = tbt_guard(sched, p.tbt_headroom) if p.slo_admission else None
+        waiting = list(sched.waiting)
+        if guard is not None:  # new requests past what TBT allows wait (their VLT keeps growing)
+            new = [r for r in waiting if r.t_first_token is None]
+            held = {id(r) for r in by_arrival(new)[guard.new_requests :]}
+            waiting = [r for r in waiting if id(r) not in held]
+        budget = guard.token_budget if guard is not None else None
+        residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
+        others = [*waiting, *by_arrival(sched.rotary)]
         free = kv.num_free_blocks - sum(kv.growth_blocks(r, sched.next_tokens(r)) for r in sched.running)
         costs: dict[str, tuple[int, int]] = {}
 
@@ -99,19 +166,24 @@ class RotaryPolicy:
             total += cost(r)[0]
             if total > free:
                 break
-        else:
-            return Decision(admit=by_arrival(others))  # no contention: plain FCFS, rotate nothing
+        else:  # no contention: plain FCFS, rotate nothing
+            return Decision(admit=by_arrival(others), token_budget=budget)
 
         vlt = {r.request_id: virtual_lag_time(r, now, p) for r in [*sched.running, *others]}
-        ranked = sorted([*sched.running, *others], key=lambda r: -vlt[r.request_id])  # stable: arrival order on ties
+        # Priority first (SLO classes), then the requests whose TBT can still be met, then lag;
+        # stable: arrival order on ties.
+        ranked = sorted([*sched.running, *others], key=lambda r: (-r.priority, r.tbt_missed, -vlt[r.request_id]))
         left = free + p.transfer_budget_blocks
         xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
-        admit = []
+        admit, patient = [], []
         for r in ranked:
-            if left <= 0 or xfer_left <= 0:
-                break  # Prioritize is done: nothing more fits under free + B_xfer
-            if r.status is RequestStatus.RUNNING or vlt[r.request_id] < 0:
+            if r.status is RequestStatus.RUNNING:
                 continue
+            if vlt[r.request_id] <= 0:
+                patient.append(r)  # not lagging: it takes free blocks only, never displaces a running one
+                continue
+            if left <= 0 or xfer_left <= 0:
+                continue  # Prioritize is done: nothing more fits under free + B_xfer
             n, copies = cost(r)
             # A request that could never come back within one step's budget still goes to the
             # scheduler, which prefills it again instead.
@@ -124,10 +196,23 @@ class RotaryPolicy:
         for r in reversed(ranked):
             if to_free <= 0:
                 break
-            if r.status is RequestStatus.RUNNING and r.in_decode and not sched.ends_after_pending(r):
+            if self._may_rotate_out(sched, r, now, residency):
                 rotate_out.append(r)
                 to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit, strict_order=False)
+        return Decision(rotate_out, admit + patient, strict_order=False, token_budget=budget)
+
+    @staticmethod
+    def _may_rotate_out(sched: Scheduler, req: Request, now: float, residency_s: float) -> bool:
+        """A running decode that has stayed `residency_s` (no thrash: one rotation buys several
+        tokens; one whose TBT SLO is already missed may leave at once) and will still compute after
+        its pending token."""
+        stayed = now - (req.t_run if req.t_run is not None else now)
+        return (
+            req.status is RequestStatus.RUNNING
+            and req.in_decode
+            and (stayed >= residency_s or req.tbt_missed)
+            and not sched.ends_after_pending(req)
+        )
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """Out of blocks mid-step: the candidate with the smallest VLT (the longest running)."""

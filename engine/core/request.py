@@ -78,6 +78,7 @@ class Request:
     t_first_token: float | None = None
     t_last_token: float | None = None
     t_run: float | None = None  # last time it entered RUNNING
+    max_gap_s: float = 0.0  # longest wait between two of its output tokens so far
     t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
 
     def __post_init__(self) -> None:
@@ -111,6 +112,11 @@ class Request:
         """All tokens but the newest are in the cache: the next step feeds one token."""
         total = self.num_scheduled_tokens
         return total > self.num_prompt_tokens and self.num_computed_tokens >= total - 1
+
+    @property
+    def tbt_missed(self) -> bool:
+        """A gap between its tokens already broke its TBT SLO: protecting it no longer pays."""
+        return self.max_gap_s * 1000.0 > self.slo.tbt_ms
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -29,6 +29,7 @@ from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
+from superinfer.engine.core.step_time import StepShape, StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._released: list[str] = []
         self._step_id = 0
-        self._submitted: dict[int, list[Request]] = {}  # step id -> the request of each seq
+        self._submitted: dict[int, tuple[list[Request], float]] = {}  # step id -> (request of each seq, planned at)
+        self.step_time = StepTimeModel()
+        self._t_last_update = -float("inf")
 
     # --- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -167,6 +170,8 @@ class Scheduler:
             self._step_id, self.clock(), self.config.max_num_batched_tokens, self.config.transfer_budget_blocks
         )
         decision = self.policy.decide(self, step.now)
+        if decision.token_budget is not None:
+            step.budget = min(step.budget, decision.token_budget)
         for req in decision.rotate_out:
             if not self._rotate_out(req, step):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
@@ -181,7 +186,7 @@ class Scheduler:
                 copies = self.kv.write_through(req, step.transfer_left, step.id, done)
                 step.swap_out += copies
                 step.transfer_left -= len(copies)
-        self._submitted[step.id] = step.requests
+        self._submitted[step.id] = (step.requests, step.now)
         released, self._released = self._released, []
         return StepPlan(
             step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in, released=released
@@ -253,8 +258,14 @@ class Scheduler:
         A request that was rotated out or preempted since the step was planned still gets its
         token; one that finished since (abort, stop string, EOS) drops it."""
         now = self.clock()
+        requests, planned_at = self._submitted.pop(plan.step_id)
+        if plan.seqs:
+            # With async scheduling the step was planned while the one before it still ran.
+            context = sum(seq.context_len for seq in plan.seqs)
+            self.step_time.observe(StepShape(plan.num_tokens, context), now - max(planned_at, self._t_last_update))
+        self._t_last_update = now
         touched = []
-        for req, seq in zip(self._submitted.pop(plan.step_id), plan.seqs, strict=True):
+        for req, seq in zip(requests, plan.seqs, strict=True):
             if seq.sample:
                 req.num_pending_tokens -= 1
             if req.is_finished:
@@ -266,6 +277,8 @@ class Scheduler:
             req.append_token(sampled[seq.request_id])
             if req.t_first_token is None:
                 req.t_first_token = now
+            else:
+                req.max_gap_s = max(req.max_gap_s, now - req.t_last_token)
             req.t_last_token = now
             reason = req.stop_reason(self.config.max_model_len)
             if reason is not None:

@@ -1,0 +1,89 @@
+"""The online step-time model and the SLO-aware admission (TBT guard) built on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from superinfer.engine.core.policies import MIN_PREFILL_CHUNK, RotaryParams, RotaryPolicy, tbt_guard
+from superinfer.engine.core.step_time import StepShape, StepTimeModel
+from superinfer.engine.slo import SLO
+from tests.test_core import make_request
+from tests.test_rotary import Clock, rotary_scheduler, step
+
+
+def test_the_model_recovers_a_linear_step_time_and_inverts_it():
+    model = StepTimeModel(decay=1.0)
+    for tokens, context in [(1, 100), (8, 300), (64, 800), (32, 50), (128, 4000), (5, 2000), (90, 10), (16, 16)]:
+        model.observe(StepShape(tokens, context), 0.004 + 0.0002 * tokens + 0.001 * context / 1000)
+    assert model.ready
+    assert model.coefficients() == pytest.approx([0.004, 0.0002, 0.001], rel=1e-3)
+    assert model.predict(StepShape(10, 1000)) == pytest.approx(0.004 + 0.002 + 0.001, rel=1e-3)
+    # 20 ms leave 20 - 4 - 2 (context) = 14 ms: 70 tokens
+    assert model.tokens_within(0.020, 2000) == pytest.approx(70, abs=1)
+    assert model.tokens_within(0.003, 0) == 0
+
+
+def test_coefficients_never_go_negative_and_old_steps_fade():
+    model = StepTimeModel(decay=0.5, min_samples=1)
+    for tokens in range(1, 20):  # more context made these steps faster: noise, not physics
+        model.observe(StepShape(tokens, 1000 * (20 - tokens)), 0.01 * tokens)
+    assert all(c >= 0 for c in model.coefficients())
+    for _ in range(40):  # the machine got twice as slow
+        for tokens in (4, 40):
+            model.observe(StepShape(tokens, 0), 0.02 * tokens)
+    assert model.predict(StepShape(10, 0)) == pytest.approx(0.2, rel=0.05)
+
+
+def guarded_scheduler(per_token_s: float, slo: SLO, running: int = 4):
+    """A rotary scheduler with `running` decoding requests whose step model says: 10 ms a step
+    plus `per_token_s` per token."""
+    clock = Clock()
+    s = rotary_scheduler(num_blocks=400, budget=256, max_seqs=64, clock=clock)
+    for i in range(running):
+        s.add(make_request(f"live{i}", 6, max_tokens=50, first_token=7 * i))
+        s.requests[f"live{i}"].slo = slo
+    step(s)
+    step(s)  # all decoding now
+    s.step_time = StepTimeModel()
+    for _ in range(10):
+        for tokens in (1, 6):
+            s.step_time.observe(StepShape(tokens, 0), 0.010 + per_token_s * tokens)
+    for i in range(6):
+        s.add(make_request(f"new{i}", 6, max_tokens=50, first_token=50 + 7 * i))
+    return s, clock
+
+
+def test_guard_holds_new_requests_that_would_break_the_streaming_ones_tbt():
+    s, clock = guarded_scheduler(0.010, SLO(ttft_ms=5000, tbt_ms=105))
+    # A token's turn may take 84 ms (0.8 x 105): 10 + 10 x d ms for d decodes, so 7 may stream.
+    guard = tbt_guard(s, RotaryParams().tbt_headroom)
+    assert guard is not None and guard.new_requests == 3
+    assert guard.token_budget == 4 + MIN_PREFILL_CHUNK  # decodes alone leave room for 3 tokens: a minimum chunk
+    decision = s.policy.decide(s, clock.now)
+    assert [r.request_id for r in decision.admit] == ["new0", "new1", "new2"]
+    assert decision.token_budget == guard.token_budget
+    plan = step(s)
+    assert plan.num_tokens <= guard.token_budget
+    assert [r.request_id for r in s.waiting] == ["new3", "new4", "new5"], "the rest wait, in order"
+
+
+def test_guard_lets_everything_in_when_the_slo_is_loose_or_unreachable():
+    s, _ = guarded_scheduler(0.0001, SLO(ttft_ms=5000, tbt_ms=100))
+    guard = tbt_guard(s, 0.8)
+    assert guard is not None and guard.new_requests == 6 and guard.token_budget > 256
+    # One request alone would miss a 5 ms TBT on this machine: nothing to protect, no guard.
+    for req in s.running:
+        req.slo = SLO(ttft_ms=5000, tbt_ms=5)
+    assert tbt_guard(s, 0.8) is None
+
+
+def test_guard_is_off_without_measured_steps_or_when_disabled():
+    clock = Clock()
+    s = rotary_scheduler(clock=clock)
+    s.add(make_request("a", 6, max_tokens=10))
+    step(s)
+    assert tbt_guard(s, 0.8) is None  # two steps are not enough to trust a model
+    s, clock = guarded_scheduler(0.010, SLO(ttft_ms=5000, tbt_ms=100))
+    s.policy = RotaryPolicy(RotaryParams(slo_admission=False))
+    decision = s.policy.decide(s, clock.now)
+    assert len(decision.admit) == 6 and decision.token_budget is None
