@@ -56,7 +56,7 @@ def guarded_scheduler(per_token_s: float, slo: SLO, running: int = 4):
 def test_guard_holds_new_requests_that_would_break_the_streaming_ones_tbt():
     s, clock = guarded_scheduler(0.010, SLO(ttft_ms=5000, tbt_ms=105))
     # A token's turn may take 84 ms (0.8 x 105): 10 + 10 x d ms for d decodes, so 7 may stream.
-    guard = tbt_guard(s, RotaryParams().tbt_headroom)
+    guard = tbt_guard(s, clock.now, RotaryParams().tbt_headroom)
     assert guard is not None and guard.new_requests == 3
     assert guard.token_budget == 4 + MIN_PREFILL_CHUNK  # decodes alone leave room for 3 tokens: a minimum chunk
     decision = s.policy.decide(s, clock.now)
@@ -69,12 +69,12 @@ def test_guard_holds_new_requests_that_would_break_the_streaming_ones_tbt():
 
 def test_guard_lets_everything_in_when_the_slo_is_loose_or_unreachable():
     s, _ = guarded_scheduler(0.0001, SLO(ttft_ms=5000, tbt_ms=100))
-    guard = tbt_guard(s, 0.8)
+    guard = tbt_guard(s, s.clock(), 0.8)
     assert guard is not None and guard.new_requests == 6 and guard.token_budget > 256
     # One request alone would miss a 5 ms TBT on this machine: nothing to protect, no guard.
     for req in s.running:
         req.slo = SLO(ttft_ms=5000, tbt_ms=5)
-    assert tbt_guard(s, 0.8) is None
+    assert tbt_guard(s, s.clock(), 0.8) is None
 
 
 def test_guard_is_off_without_measured_steps_or_when_disabled():
@@ -82,7 +82,7 @@ def test_guard_is_off_without_measured_steps_or_when_disabled():
     s = rotary_scheduler(clock=clock)
     s.add(make_request("a", 6, max_tokens=10))
     step(s)
-    assert tbt_guard(s, 0.8) is None  # two steps are not enough to trust a model
+    assert tbt_guard(s, s.clock(), 0.8) is None  # two steps are not enough to trust a model
     s, clock = guarded_scheduler(0.010, SLO(ttft_ms=5000, tbt_ms=100))
     s.policy = RotaryPolicy(RotaryParams(slo_admission=False))
     decision = s.policy.decide(s, clock.now)

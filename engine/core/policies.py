@@ -12,6 +12,8 @@ CPU tier and in what order non-running requests are admitted. The scheduler exec
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -93,46 +95,46 @@ class TBTGuard:
     residency_s: float  # how long a request may stay on the GPU while others wait their turn
 
 
-def tbt_guard(sched: Scheduler, headroom: float) -> TBTGuard | None:
+def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     """SLO-aware admission: from measured step times, how much new work the requests that already
     stream tokens (running, rotary, or waiting again after a recompute) can take while each still
-    gets a token within `headroom` x its TBT SLO. With n of the D live requests fitting on the GPU
-    at once, a request gets a token every D / n steps of step time s(n); a new request raises D,
-    and a prefill chunk raises s. A request that leaves waits (D - n) / n turns of whoever
-    replaced it, so residency up to turn x n / (D - n) keeps its wait within the SLO while
-    rotating as little as that allows. None when there is nothing to protect, no step model yet, or even
-    one request alone could not meet the SLO on this machine.
+    gets a token within `headroom` x its TBT SLO (its turn). With n of the D live requests fitting
+    on the GPU at once, a request gets a token every D / n steps of step time s(n): a new request
+    raises D, and a prefill chunk raises s. A request that leaves waits (D - n) / n residencies of
+    whoever replaced it, so a residency up to turn x n / (D - n) keeps that wait within its turn
+    while rotating as little as that allows. Requests whose TBT SLO is already lost are not
+    protected. None when there is nothing to protect, no step model yet, or when even one request
+    alone could not meet the SLO on this machine.
     """
-    model, now = sched.step_time, sched.clock()
+    model = sched.step_time
+    if not model.ready:
+        return None
     streaming = [*sched.running, *sched.rotary, *(r for r in sched.waiting if r.t_first_token is not None)]
     live = [r for r in streaming if not r.tbt_missed]
-    if not live or not model.ready:
+    if not live:
         return None
-    kv = sched.kv
+    kv, d = sched.kv, len(live)
     turn = headroom * min(r.slo.tbt_ms for r in live) / 1000.0
-    context = sum(r.num_tokens for r in live) / len(live)
-    blocks = sum(kv.blocks_for(r.num_tokens + 1) for r in live) / len(live)
-    fit = max(1, min(sched.config.max_num_seqs, int(kv.num_blocks / blocks)))
+    tokens = sum(r.num_tokens for r in live)
+    fit = max(1, min(sched.config.max_num_seqs, kv.num_blocks * d // max(1, kv.blocks_for(tokens) + d)))
 
-    def gap(d: int) -> float:
-        n = min(d, fit)
-        return model.predict(StepShape(n, round(n * context))) * d / n
+    def gap(num_live: int) -> float:
+        n = min(num_live, fit)
+        return model.predict(StepShape(n, n * tokens // d)) * num_live / n
 
     if gap(1) > turn:
         return None
     new = [r for r in sched.waiting if r.t_first_token is None]
     allowed = 0
     # What the model predicts, and what the streaming requests feel: none starts while one of them
-    # has already waited its turn for its next token.
+    # has already waited a whole turn for its next token.
     if all(now - r.t_last_token < turn for r in live if r.t_last_token is not None):
-        while allowed < len(new) and gap(len(live) + allowed + 1) <= turn:
-            allowed += 1
+        allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
-    step_s = turn * min(len(live), fit) / len(live)
-    running = sched.running
-    tokens = model.tokens_within(step_s, sum(r.num_tokens for r in running))
-    residency = turn * fit / (len(live) - fit) if len(live) > fit else float("inf")
-    return TBTGuard(allowed, max(tokens, len(running) + MIN_PREFILL_CHUNK), residency)
+    step_s = turn * min(d, fit) / d
+    budget = model.tokens_within(step_s, sum(r.num_tokens for r in sched.running))
+    residency = turn * fit / (d - fit) if d > fit else math.inf
+    return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
 
 
 class RotaryPolicy:
@@ -144,11 +146,11 @@ class RotaryPolicy:
 
     def decide(self, sched: Scheduler, now: float) -> Decision:
         kv, p = sched.kv, self.params
-        guard = tbt_guard(sched, p.tbt_headroom) if p.slo_admission else None
+        guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting = list(sched.waiting)
         if guard is not None:  # new requests past what TBT allows wait (their VLT keeps growing)
-            new = [r for r in waiting if r.t_first_token is None]
-            held = {id(r) for r in by_arrival(new)[guard.new_requests :]}
+            new = [r for r in waiting if r.t_first_token is None]  # in arrival order
+            held = {id(r) for r in new[guard.new_requests :]}
             waiting = [r for r in waiting if id(r) not in held]
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
