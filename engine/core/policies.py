@@ -84,6 +84,9 @@ def virtual_lag_time(req: Request, now: float, p: RotaryParams) -> float:
 
 
 MIN_PREFILL_CHUNK = 32  # tokens a capped step still gives prefills, so they always progress
+# A request that leaves waits at most this share of its turn; the rest is for the step that brings
+# it back and for jitter (a full turn lets every small delay break the SLO).
+RESIDENCY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,8 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     gets a token within `headroom` x its TBT SLO (its turn). With n of the D live requests fitting
     on the GPU at once, a request gets a token every D / n steps of step time s(n): a new request
     raises D, and a prefill chunk raises s. A request that leaves waits (D - n) / n residencies of
-    whoever replaced it, so a residency up to turn x n / (D - n) keeps that wait within its turn
-    while rotating as little as that allows. Requests whose TBT SLO is already lost are not
+    whoever replaced it, so a residency of RESIDENCY_SHARE x turn x n / (D - n) keeps that wait
+    within its turn while rotating as little as that allows. Requests whose TBT SLO is already lost are not
     protected. None when there is nothing to protect, no step model yet, or when even one request
     alone could not meet the SLO on this machine.
     """
@@ -133,7 +136,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
     budget = model.tokens_within(step_s, sum(r.num_tokens for r in sched.running))
-    residency = turn * fit / (d - fit) if d > fit else math.inf
+    residency = RESIDENCY_SHARE * turn * fit / (d - fit) if d > fit else math.inf
     return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
 
 
