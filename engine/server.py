@@ -164,13 +164,17 @@ class OpenAIServer:
         """The request's SLO class, targets and priority: the class's (body field, else header, else
         `default`), overridden field by field by the SLO headers, then by the body's `slo`/`priority`."""
         classes = self.core.slo_classes
-        name = body.slo_class or request.headers.get(c.SLO_CLASS_HEADER) or c.DEFAULT_SLO_CLASS
-        if name not in classes:
-            via = "slo_class" if body.slo_class else f"header {c.SLO_CLASS_HEADER}"
+        header = request.headers.get(c.SLO_CLASS_HEADER)
+        name = body.slo_class if body.slo_class is not None else header
+        if name is None:
+            name = c.DEFAULT_SLO_CLASS
+        elif name not in classes:
+            from_body = body.slo_class is not None
             raise APIError(
                 400,
-                f"unknown SLO class {name!r} (from {via}); this server's classes are: {', '.join(sorted(classes))}",
-                param="slo_class" if body.slo_class else None,
+                f"unknown SLO class {name!r} (from {'slo_class' if from_body else f'header {c.SLO_CLASS_HEADER}'}); "
+                f"this server's classes are: {', '.join(sorted(classes))}",
+                param="slo_class" if from_body else None,
                 code="unknown_slo_class",
             )
         targets: dict[str, float | None] = {"ttft": None, "tbt": None}

@@ -172,6 +172,8 @@ async def test_unknown_class_is_an_openai_400_naming_the_known_classes(server, a
                 ({"slo_class": "gold"}, {}, "slo_class"),
                 ({}, {c.SLO_CLASS_HEADER: "gold"}, None),
                 ({"slo_class": "default2"}, {c.SLO_CLASS_HEADER: "loose"}, "slo_class"),
+                ({"slo_class": ""}, {}, "slo_class"),
+                ({}, {c.SLO_CLASS_HEADER: "Loose"}, None),
             ):
                 status, payload = await post(server, {**body, "stream": stream}, headers, chat=chat)
                 assert status == 400, payload

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from superinfer.operator import gen, names
+from superinfer.operator import conditions, gen, names
 from superinfer.operator.api import InferenceService, InferenceServiceSpec
 from superinfer.operator.crd import build_crd
 from superinfer.operator.schema import structural_problems
@@ -228,3 +228,6 @@ def test_class_name_cel_rules_agree_with_python(names, message):
     else:
         assert len(failed) == 1 and message in failed[0]
         assert failed[0] in outcome.message  # the same words from the API server and the operator
+        cond = conditions.validated(outcome.problems)  # what the status shows when the CEL was bypassed
+        assert (cond.type, cond.status, cond.reason) == ("Validated", "False", "InvalidSpec")
+        assert failed[0] in cond.message
