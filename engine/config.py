@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from superinfer.engine.contract import DEFAULT_PORT, DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from superinfer.engine.slo import SLO
+from superinfer.engine.slo_classes import SLOClass, class_table, parse_classes
 
 
 class EngineConfig(BaseModel):
@@ -40,6 +43,11 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     ttft_slo_ms: float = Field(DEFAULT_TTFT_SLO_MS, gt=0)
     tbt_slo_ms: float = Field(DEFAULT_TBT_SLO_MS, gt=0)
+    slo_classes: str | None = Field(
+        None,
+        description='named SLO classes as JSON, e.g. \'{"interactive": {"ttft_ms": 500, "tbt_ms": 100, '
+        '"priority": 1}}\'; they replace the built-in interactive and batch',
+    )
     rotary_alpha: float = Field(3.0, ge=0)
     rotary_beta_f: float = Field(0.5, ge=0)
     rotary_beta_b: float = Field(0.0, ge=0)
@@ -66,6 +74,20 @@ class EngineConfig(BaseModel):
     metrics_compat: Literal["vllm"] | None = None
     max_request_bytes: int = Field(4 << 20, ge=1024)
     shutdown_timeout_s: float = Field(45.0, ge=0)
+
+    @field_validator("slo_classes", mode="before")
+    @classmethod
+    def _classes_as_json(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return json.dumps(value)
+        if isinstance(value, str):
+            parse_classes(value)  # a clear error at startup, naming the bad class and field
+        return value
+
+    def slo_class_table(self) -> dict[str, SLOClass]:
+        """Every SLO class of the server, `default` included."""
+        named = parse_classes(self.slo_classes) if self.slo_classes is not None else None
+        return class_table(named, SLO(self.ttft_slo_ms, self.tbt_slo_ms))
 
     @property
     def cpu_tier_gib(self) -> float:

@@ -20,6 +20,19 @@ METRICS_PATH = "/metrics"
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TBT_HEADER = "x-slo-tbt-ms"
 
+# Named SLO classes: a request picks one with {"slo_class": "interactive"} or this header; its
+# targets and priority are the class's unless the request overrides them. Requests that pick none
+# belong to DEFAULT_SLO_CLASS (the server's --ttft-slo-ms/--tbt-slo-ms, priority 0).
+SLO_CLASS_HEADER = "x-slo-class"
+SLO_CLASS_LABEL = "slo_class"
+DEFAULT_SLO_CLASS = "default"
+SLO_CLASS_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"  # lowercase identifiers; `default` is reserved
+# The classes a server has without --slo-classes (given classes replace them).
+BUILTIN_SLO_CLASSES = {
+    "interactive": {"ttft_ms": 500.0, "tbt_ms": 100.0, "priority": 1},
+    "batch": {"ttft_ms": 30000.0, "tbt_ms": 1000.0, "priority": 0},
+}
+
 # Server-wide SLO defaults (the paper's: 5 s time to first token, 100 ms between tokens).
 DEFAULT_TTFT_SLO_MS = 5000.0
 DEFAULT_TBT_SLO_MS = 100.0
@@ -35,6 +48,7 @@ SERVE_FLAGS = (
     "--policy",
     "--ttft-slo-ms",
     "--tbt-slo-ms",
+    "--slo-classes",
     "--rotary-alpha",
     "--rotary-beta-f",
     "--rotary-beta-b",
@@ -57,7 +71,7 @@ SERVE_FLAGS = (
 API_KEY_ENV = "SUPERINFER_API_KEY"
 
 # Prometheus metric families exported by the engine (prefix + name; every one carries the
-# label `model_name`). Counters are exposed with a `_total` suffix, histograms with
+# label `model_name`, then the labels listed). Counters are exposed with a `_total` suffix, histograms with
 # `_bucket`/`_sum`/`_count`.
 METRIC_PREFIX = "superinfer_engine_"
 
@@ -75,18 +89,19 @@ COUNTERS = {
     "prompt_tokens": (),
     "generation_tokens": (),
     "requests_finished": ("finished_reason",),
-    "slo_requests": ("ttft", "tbt"),
+    "slo_requests": ("ttft", "tbt", SLO_CLASS_LABEL),
 }
 HISTOGRAMS = {
     "kv_swap_seconds": ("direction",),
-    "time_to_first_token_seconds": (),
-    "time_between_tokens_seconds": (),
+    "time_to_first_token_seconds": (SLO_CLASS_LABEL,),
+    "time_between_tokens_seconds": (SLO_CLASS_LABEL,),
     "request_queue_seconds": (),
     "e2e_request_latency_seconds": (),
     "scheduler_step_seconds": ("phase",),
 }
 INFOS = {"info": ()}
-SLO_TARGET_GAUGE = "slo_target_seconds"  # label `kind` = ttft | tbt
+SLO_TARGET_GAUGE = "slo_target_seconds"  # one series per SLO class and kind (ttft | tbt)
+SLO_TARGET_LABELS = ("kind", SLO_CLASS_LABEL)
 
 # With --metrics-compat vllm the engine also exports these vLLM names.
 VLLM_COMPAT_METRICS = (

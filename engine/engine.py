@@ -22,6 +22,7 @@ import torch
 
 from superinfer.engine.attention import allocate_kv_cache
 from superinfer.engine.config import EngineConfig
+from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import RotaryParams, make_policy
@@ -148,9 +149,11 @@ class EngineCore:
                 self.kv.blocks_for(self.max_model_len),
             )
         self.default_slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
+        self.slo_classes = config.slo_class_table()
         self.metrics = EngineMetrics(
             config.model_name,
             self.default_slo,
+            classes={name: cls.slo for name, cls in self.slo_classes.items()},
             vllm_compat=config.metrics_compat == "vllm",
             info={
                 "policy": config.policy,
@@ -188,20 +191,26 @@ class EngineCore:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         slo: SLO | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         arrival_time: float | None = None,
+        slo_class: str = DEFAULT_SLO_CLASS,
     ) -> None:
+        """`slo` and `priority` default to those of `slo_class`."""
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        cls = self.slo_classes.get(slo_class)
+        if cls is None:
+            raise ValueError(f"unknown SLO class {slo_class!r}; known classes: {', '.join(sorted(self.slo_classes))}")
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
-            slo=slo or self.default_slo,
-            priority=priority,
+            slo=slo or cls.slo,
+            priority=cls.priority if priority is None else priority,
+            slo_class=slo_class,
         )
         self.scheduler.add(req)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
@@ -329,7 +338,8 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         slo: SLO | None = None,
-        priority: int = 0,
+        priority: int | None = None,
+        slo_class: str = DEFAULT_SLO_CLASS,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it."""
         if self.error is not None:
@@ -339,7 +349,7 @@ class AsyncEngine:
         self.core.validate(len(prompt_token_ids), sampling)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = outputs
-        self._commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, self.core.clock()))
+        self._commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, self.core.clock(), slo_class))
         finished = False
         try:
             while not finished:
@@ -382,9 +392,9 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, prompt, sampling, slo, priority, arrival = command
+            _, rid, prompt, sampling, slo, priority, arrival, slo_class = command
             try:
-                self.core.add_request(rid, prompt, sampling, slo, priority, arrival)
+                self.core.add_request(rid, prompt, sampling, slo, priority, arrival, slo_class)
             except ValueError as exc:
                 self._deliver([(rid, exc)])
             except Exception as exc:  # a bug, not bad input: fail this request, keep serving

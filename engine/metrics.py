@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -41,7 +41,15 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, slo: SLO, info: dict[str, str], vllm_compat: bool = False) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        slo: SLO,
+        info: dict[str, str],
+        vllm_compat: bool = False,
+        classes: Mapping[str, SLO] | None = None,
+    ) -> None:
+        """`classes`: the SLO of each class (default: `slo` as the only class)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         reg, label = self.registry, "model_name"
@@ -57,17 +65,21 @@ class EngineMetrics:
 
         self.gauges = {name: gauge(name, *labels) for name, labels in c.GAUGES.items()}
         self.counters = {name: counter(name, *labels) for name, labels in c.COUNTERS.items()}
-        ttft_buckets = histogram_buckets(slo.ttft_ms / 1000.0, LATENCY_BUCKETS)
-        tbt_buckets = histogram_buckets(slo.tbt_ms / 1000.0, LATENCY_BUCKETS)
-        self.ttft = histogram("time_to_first_token_seconds", ttft_buckets)
-        self.tbt = histogram("time_between_tokens_seconds", tbt_buckets)
+        classes = dict(classes) if classes is not None else {c.DEFAULT_SLO_CLASS: slo}
+        ttft_buckets, tbt_buckets = list(LATENCY_BUCKETS), list(LATENCY_BUCKETS)
+        for target in classes.values():  # every class's thresholds are bucket bounds
+            ttft_buckets = histogram_buckets(target.ttft_ms / 1000.0, ttft_buckets)
+            tbt_buckets = histogram_buckets(target.tbt_ms / 1000.0, tbt_buckets)
+        self.ttft = histogram("time_to_first_token_seconds", ttft_buckets, *c.HISTOGRAMS["time_to_first_token_seconds"])
+        self.tbt = histogram("time_between_tokens_seconds", tbt_buckets, *c.HISTOGRAMS["time_between_tokens_seconds"])
         self.queue = histogram("request_queue_seconds", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", LATENCY_BUCKETS)
         self.step = histogram("scheduler_step_seconds", STEP_BUCKETS, "phase")
         self.swap_seconds = histogram("kv_swap_seconds", STEP_BUCKETS, "direction")
-        self.slo_target = gauge(c.SLO_TARGET_GAUGE, "kind")
-        self.slo_target.labels(model_name, "ttft").set(slo.ttft_ms / 1000.0)
-        self.slo_target.labels(model_name, "tbt").set(slo.tbt_ms / 1000.0)
+        self.slo_target = gauge(c.SLO_TARGET_GAUGE, *c.SLO_TARGET_LABELS)
+        for name, target in classes.items():
+            self.slo_target.labels(model_name, "ttft", name).set(target.ttft_ms / 1000.0)
+            self.slo_target.labels(model_name, "tbt", name).set(target.tbt_ms / 1000.0)
         Info(c.metric("info"), "engine build and configuration", [label], registry=reg).labels(model_name).info(info)
         self._seen = SchedulerCounters()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -168,13 +180,13 @@ class EngineMetrics:
         self._compat("generation", "inc", 1)
         if gap_s is None:
             ttft = req.t_first_token - req.arrival_time
-            self._child(self.ttft).observe(ttft)
+            self._child(self.ttft, req.slo_class).observe(ttft)
             self._compat("ttft", "observe", ttft)
             self._child(self.queue).observe(req.t_scheduled - req.arrival_time)
             self._c("prompt_tokens").inc(req.num_prompt_tokens)
             self._compat("prompt", "inc", req.num_prompt_tokens)
         else:
-            self._child(self.tbt).observe(gap_s)
+            self._child(self.tbt, req.slo_class).observe(gap_s)
             self._compat("itl", "observe", gap_s)
 
     def on_finish(self, req: Request, now: float, gaps: Sequence[float]) -> None:
@@ -187,7 +199,8 @@ class EngineMetrics:
             return  # aborted before its first token: no latency to judge
         ttft_met = meets_ttft(req.t_first_token - req.arrival_time, req.slo)
         tbt_met = meets_tbt(p99_gap(gaps), req.slo)
-        self._c("slo_requests", "met" if ttft_met else "missed", "met" if tbt_met else "missed").inc()
+        verdict = ("met" if ttft_met else "missed", "met" if tbt_met else "missed")
+        self._c("slo_requests", *verdict, req.slo_class).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -63,8 +63,9 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    slo_class: str | None = None
     slo: SLOField | None = None
-    priority: int = 0
+    priority: int | None = None  # None: the SLO class's priority
 
     def _unsupported(self) -> dict[str, bool]:
         return {

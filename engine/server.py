@@ -26,6 +26,7 @@ from superinfer.engine.output import RequestOutput
 from superinfer.engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from superinfer.engine.runner import TokenLogprob
 from superinfer.engine.slo import SLO
+from superinfer.engine.slo_classes import resolve
 from superinfer.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("superinfer.server")
@@ -159,9 +160,25 @@ class OpenAIServer:
         body.check_supported()
         return body
 
-    def _slo(self, request: web.Request, body: CompletionRequest | ChatCompletionRequest) -> SLO:
-        ttft, tbt = self.core.default_slo.ttft_ms, self.core.default_slo.tbt_ms
-        for header, current in ((c.SLO_TTFT_HEADER, "ttft"), (c.SLO_TBT_HEADER, "tbt")):
+    def _slo(self, request: web.Request, body: CompletionRequest | ChatCompletionRequest) -> tuple[str, SLO, int]:
+        """The request's SLO class, targets and priority: the class's (body field, else header, else
+        `default`), overridden field by field by the SLO headers, then by the body's `slo`/`priority`."""
+        classes = self.core.slo_classes
+        header = request.headers.get(c.SLO_CLASS_HEADER)
+        name = body.slo_class if body.slo_class is not None else header
+        if name is None:
+            name = c.DEFAULT_SLO_CLASS
+        elif name not in classes:
+            from_body = body.slo_class is not None
+            raise APIError(
+                400,
+                f"unknown SLO class {name!r} (from {'slo_class' if from_body else f'header {c.SLO_CLASS_HEADER}'}); "
+                f"this server's classes are: {', '.join(sorted(classes))}",
+                param="slo_class" if from_body else None,
+                code="unknown_slo_class",
+            )
+        targets: dict[str, float | None] = {"ttft": None, "tbt": None}
+        for header, kind in ((c.SLO_TTFT_HEADER, "ttft"), (c.SLO_TBT_HEADER, "tbt")):
             if header in request.headers:
                 try:
                     value = float(request.headers[header])
@@ -169,11 +186,12 @@ class OpenAIServer:
                     value = -1.0
                 if not value > 0:
                     raise APIError(400, f"header {header} must be a positive number of milliseconds")
-                ttft, tbt = (value, tbt) if current == "ttft" else (ttft, value)
+                targets[kind] = value
         if body.slo is not None:
-            ttft = body.slo.ttft_ms or ttft
-            tbt = body.slo.tbt_ms or tbt
-        return SLO(ttft, tbt)
+            targets["ttft"] = body.slo.ttft_ms or targets["ttft"]
+            targets["tbt"] = body.slo.tbt_ms or targets["tbt"]
+        slo, priority = resolve(classes[name], targets["ttft"], targets["tbt"], body.priority)
+        return name, slo, priority
 
     def _max_tokens(self, requested: int | None, num_prompt: int) -> int:
         room = self.core.max_model_len - num_prompt
@@ -211,7 +229,8 @@ class OpenAIServer:
         ids = self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
         sampling = body.sampling(self._max_tokens(body.max_tokens, len(ids)), body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self.engine.generate(rid, ids, sampling, self._slo(request, body), body.priority)
+        slo_class, slo, priority = self._slo(request, body)
+        outputs = self.engine.generate(rid, ids, sampling, slo, priority, slo_class)
         usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = CompletionFormat(rid, self.model_name, self.core.tokenizer)
         return await self._respond(request, outputs, fmt, body.stream, usage)
@@ -227,7 +246,8 @@ class OpenAIServer:
         ids = tokenizer.encode(text, add_special_tokens=False)
         sampling = body.sampling(self._max_tokens(body.requested_max_tokens(), len(ids)), body.requested_logprobs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.engine.generate(rid, ids, sampling, self._slo(request, body), body.priority)
+        slo_class, slo, priority = self._slo(request, body)
+        outputs = self.engine.generate(rid, ids, sampling, slo, priority, slo_class)
         usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ChatFormat(rid, self.model_name, tokenizer)
         return await self._respond(request, outputs, fmt, body.stream, usage)

@@ -11,7 +11,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, WithJsonSchema
 
-from superinfer.engine.contract import DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from superinfer.engine.contract import (
+    DEFAULT_SLO_CLASS,
+    DEFAULT_TBT_SLO_MS,
+    DEFAULT_TTFT_SLO_MS,
+    SLO_CLASS_NAME_PATTERN,
+)
 from superinfer.operator import quantity
 from superinfer.operator.rules import KubeModel, Rule
 
@@ -134,15 +139,48 @@ class EngineSpec(KubeModel):
     rotary: RotarySpec = _sub(RotarySpec)
 
 
+class SLOClassSpec(KubeModel):
+    ttft_ms: float = Field(gt=0)
+    """Time-to-first-token target of the class in milliseconds."""
+    tbt_ms: float = Field(gt=0)
+    """Time-between-tokens target of the class in milliseconds (judged on each request's p99 gap)."""
+    priority: int = 0
+    """Higher is more important (default 0)."""
+
+
+MAX_SLO_CLASSES = 16
+
+
 class SLOSpec(KubeModel):
     ttft_ms: float = Field(default=DEFAULT_TTFT_SLO_MS, gt=0)
-    """Time-to-first-token target in milliseconds."""
+    """Time-to-first-token target in milliseconds (requests that pick no SLO class)."""
     tbt_ms: float = Field(default=DEFAULT_TBT_SLO_MS, gt=0)
     """Time-between-tokens target in milliseconds (a request meets it when its p99 gap between tokens does)."""
+    classes: dict[str, SLOClassSpec] | None = Field(default=None, max_length=MAX_SLO_CLASSES)
+    """Named SLO classes that requests pick with "slo_class" in the body or the x-slo-class header, e.g.
+    {interactive: {ttftMs: 500, tbtMs: 100, priority: 1}}. They replace the engine's built-in classes
+    (interactive: 500/100 ms, priority 1; batch: 30000/1000 ms); unset keeps those."""
     attainment_target: float = Field(default=0.95, gt=0, le=1)
     """Share of requests that must meet both targets."""
     window_seconds: int = Field(default=120, ge=10)
     """Window over which attainment and latency quantiles are computed."""
+
+    rules = (
+        Rule(
+            cel=f"!has(self.classes) || self.classes.all(k, k.matches('{SLO_CLASS_NAME_PATTERN}'))",
+            message="slo.classes names must be lowercase identifiers (a letter, then up to 62 letters, digits "
+            "or _), such as interactive or batch",
+            check=lambda s: s.classes is None or all(re.match(SLO_CLASS_NAME_PATTERN, k) for k in s.classes),
+            field_path=".classes",
+        ),
+        Rule(
+            cel=f"!has(self.classes) || !('{DEFAULT_SLO_CLASS}' in self.classes)",
+            message=f"slo.classes must not define {DEFAULT_SLO_CLASS!r}: it is the class of requests that pick "
+            "none, set by slo.ttftMs and slo.tbtMs",
+            check=lambda s: s.classes is None or DEFAULT_SLO_CLASS not in s.classes,
+            field_path=".classes",
+        ),
+    )
 
 
 class CPUOffload(KubeModel):

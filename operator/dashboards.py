@@ -89,9 +89,11 @@ def dashboard(uid: str, title: str, panels: list[dict[str, Any]], with_model: bo
 
 
 def _latency(kind: str, histogram: str) -> dict[str, Any]:
-    targets = [(q.quantile(p, histogram), f"p{int(p * 100)} {{{{model_name}}}}") for p in (0.5, 0.9, 0.99)]
-    targets.append((q.slo_line(kind), "SLO {{model_name}}"))
-    return panel(f"{kind.upper()} p50 / p90 / p99 vs SLO", targets, unit="s")
+    """Quantiles per SLO class against each class's target (classes have different targets)."""
+    legend = "{{slo_class}} {{model_name}}"
+    targets = [(q.quantile(p, histogram, q.BY_CLASS), f"p{int(p * 100)} {legend}") for p in (0.5, 0.9, 0.99)]
+    targets.append((q.slo_line(kind), f"SLO {legend}"))
+    return panel(f"{kind.upper()} p50 / p90 / p99 vs SLO, by SLO class", targets, unit="s")
 
 
 def slo_overview() -> dict[str, Any]:
@@ -118,6 +120,24 @@ def slo_overview() -> dict[str, Any]:
             "percentunit",
             width=24,
         ),
+        panel(
+            "Goodput by SLO class (requests/s meeting TTFT and TBT)",
+            [(q.goodput(q.BY_CLASS), "{{slo_class}} {{model_name}}")],
+            "reqps",
+            width=8,
+        ),
+        panel(
+            "Goodput share by SLO class",
+            [(q.attainment(q.BY_CLASS), "{{slo_class}} {{model_name}}")],
+            "percentunit",
+            width=8,
+        ),
+        panel(
+            "TTFT attainment by SLO class",
+            [(q.ttft_attainment(q.BY_CLASS), "{{slo_class}} {{model_name}}")],
+            "percentunit",
+            width=8,
+        ),
         _latency("ttft", "time_to_first_token_seconds"),
         _latency("tbt", "time_between_tokens_seconds"),
         panel(
@@ -140,6 +160,10 @@ def rotation() -> dict[str, Any]:
     panels = [
         panel("Requests in the rotary (CPU) tier", [(_gauge_sum("requests_rotary"), "{{model_name}}")]),
         panel("Rotations/s", [(q.rate_sum(metric("rotations") + "_total"), "{{model_name}}")], "ops"),
+        panel(
+            "Rotations per completed request",
+            [(q.per_request(metric("rotations") + "_total"), "{{model_name}}")],
+        ),
         panel(
             "KV swap bandwidth",
             [(f"{q.rate_sum(swap, 'model_name, direction')}", "{{direction}} {{model_name}}")],

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from superinfer.engine.contract import metric
+from superinfer.engine.contract import SLO_CLASS_LABEL, metric
 
 SEL = 'namespace=~"$namespace", model_name=~"$model"'  # Grafana template variables
 RATE = "$__rate_interval"
 SLO = metric("slo_requests") + "_total"
+BY_CLASS = f"model_name, {SLO_CLASS_LABEL}"
 
 
 def rate_sum(series: str, by: str = "model_name", sel: str = SEL, window: str = RATE, extra: str = "") -> str:
@@ -25,13 +26,24 @@ def ttft_attainment(by: str = "model_name", sel: str = SEL, window: str = RATE) 
     return f"{met} / {rate_sum(SLO, by, sel, window)}"
 
 
+def goodput(by: str = "model_name", sel: str = SEL, window: str = RATE) -> str:
+    """Requests/s meeting both SLOs (each judged against its own class's targets)."""
+    return rate_sum(SLO, by, sel, window, 'ttft="met", tbt="met"')
+
+
+def per_request(counter: str, by: str = "model_name", sel: str = SEL, window: str = RATE) -> str:
+    """A counter's rate per finished request, e.g. rotations per completed request."""
+    return f"{rate_sum(counter, by, sel, window)} / {rate_sum(metric('requests_finished') + '_total', by, sel, window)}"
+
+
 def quantile(q: float, histogram: str, by: str = "model_name", sel: str = SEL, window: str = RATE) -> str:
     inner = rate_sum(metric(histogram) + "_bucket", f"le, {by}", sel, window)
     return f"histogram_quantile({q}, {inner})"
 
 
-def slo_line(kind: str) -> str:
-    return f'max by (model_name) ({metric("slo_target_seconds")}{{{SEL}, kind="{kind}"}})'
+def slo_line(kind: str, by: str = BY_CLASS) -> str:
+    """The SLO target of each class (one line per class: their targets differ)."""
+    return f'max by ({by}) ({metric("slo_target_seconds")}{{{SEL}, kind="{kind}"}})'
 
 
 # ---- PrometheusRule -------------------------------------------------------------------------

@@ -6,12 +6,14 @@ Nothing here talks to the API server; the handlers adopt and apply what these fu
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from superinfer.engine import contract
 from superinfer.operator import names, quantity
-from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.api import InferenceServiceSpec, SLOClassSpec
 
 SERVICE_PORT = 80
 MODELS_MOUNT = "/models"
@@ -102,7 +104,22 @@ def engine_args(ctx: Context, spec: InferenceServiceSpec) -> list[str]:
         ]
     if spec.kv_cache.cpu_offload is not None:
         args += ["--cpu-kv-gib", _num(round(quantity.gib(spec.kv_cache.cpu_offload.size), 3))]
+    if slo.classes is not None:
+        args += ["--slo-classes", slo_classes_flag(slo.classes)]
     return args + list(engine.args)
+
+
+def slo_classes_flag(classes: Mapping[str, SLOClassSpec]) -> str:
+    """The engine's --slo-classes JSON (snake_case fields, as `superinfer serve` reads them)."""
+    engine_form = {
+        name: {"ttft_ms": _json_num(c.ttft_ms), "tbt_ms": _json_num(c.tbt_ms), "priority": c.priority}
+        for name, c in sorted(classes.items())
+    }
+    return json.dumps(engine_form, separators=(",", ":"))
+
+
+def _json_num(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else float(value)
 
 
 def _num(value: float) -> str:

@@ -88,6 +88,8 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[str]:
             continue
         if flag in RENDERED_FLAGS:
             problems.append(f"engine.args must not set {flag}: the operator renders it from the spec")
+        elif flag == "--slo-classes" and spec.slo.classes is not None:
+            problems.append("engine.args must not set --slo-classes when slo.classes is set: keep one of them")
         elif flag not in contract.SERVE_FLAGS:
             problems.append(f"engine.args has {flag}, which `superinfer serve` does not accept")
     return problems

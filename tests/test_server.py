@@ -238,10 +238,11 @@ async def test_metrics_and_per_request_slo(server, client):
     ):
         assert c.metric(name) in text
     reg = server.server.core.metrics.registry
-    labels = {"model_name": MODEL, "tbt": "met"}
+    labels = {"model_name": MODEL, "tbt": "met", "slo_class": c.DEFAULT_SLO_CLASS}
     assert reg.get_sample_value(c.metric("slo_requests_total"), {**labels, "ttft": "missed"}) == 1.0
     assert reg.get_sample_value(c.metric("slo_requests_total"), {**labels, "ttft": "met"}) == 1.0
-    assert reg.get_sample_value(c.metric("slo_target_seconds"), {"model_name": MODEL, "kind": "ttft"}) == 5.0
+    target = {"model_name": MODEL, "kind": "ttft", "slo_class": c.DEFAULT_SLO_CLASS}
+    assert reg.get_sample_value(c.metric("slo_target_seconds"), target) == 5.0
 
 
 async def test_concurrent_streams_all_complete(server):
@@ -350,8 +351,8 @@ async def test_exported_metrics_are_exactly_the_contract():
             text = await resp.text()
     finally:
         await running.close()
-    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
-    exported = {n for n in exported if n.startswith((c.METRIC_PREFIX, "vllm:"))}
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    exported = {s.name for s in samples if s.name.startswith((c.METRIC_PREFIX, "vllm:"))}
     assert exported <= c.exported_series_names(), exported - c.exported_series_names()
     families = {c.metric(n) for n in (*c.GAUGES, *c.HISTOGRAMS)} | {c.metric(n) + "_total" for n in c.COUNTERS}
     missing = {f for f in families if not any(n == f or n.startswith(f + "_") for n in exported)}
@@ -360,3 +361,12 @@ async def test_exported_metrics_are_exactly_the_contract():
     assert missing <= unused | {c.metric("kv_swap_seconds")}, missing
     for name in c.VLLM_COMPAT_METRICS:
         assert any(n == name or n.startswith(name + "_") for n in exported), name
+    # Each engine series carries exactly its family's contract labels (the dashboards group by them).
+    families = {**c.GAUGES, **c.COUNTERS, **c.HISTOGRAMS, c.SLO_TARGET_GAUGE: c.SLO_TARGET_LABELS}
+    for sample in samples:
+        if not sample.name.startswith(c.METRIC_PREFIX) or sample.name.startswith(c.metric("info")):
+            continue
+        base = sample.name.removeprefix(c.METRIC_PREFIX)
+        family = next(f for f in sorted(families, key=len, reverse=True) if base.startswith(f))
+        extra = {"le"} if sample.name.endswith("_bucket") else set()
+        assert set(sample.labels) == {"model_name", *families[family], *extra}, sample

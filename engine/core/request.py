@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.slo import SLO
 
 
@@ -61,7 +62,8 @@ class Request:
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
     slo: SLO = field(default_factory=SLO)
-    priority: int = 0
+    priority: int = 0  # higher = more important: the class's unless the request gave its own
+    slo_class: str = DEFAULT_SLO_CLASS
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from superinfer.operator import gen, names
+from superinfer.operator import conditions, gen, names
 from superinfer.operator.api import InferenceService, InferenceServiceSpec
 from superinfer.operator.crd import build_crd
 from superinfer.operator.schema import structural_problems
@@ -91,6 +91,15 @@ INVALID = [
     ({"kvCache": {"cpuOffload": {"size": "64Gi"}}, "resources": {"memory": "32Gi"}}, "at least 66Gi"),
     ({"resources": {"gpus": 0}, "scheduling": {"gpuProduct": "NVIDIA-H100"}}, "request at least one GPU"),
     ({"bogus": 1}, "spec.bogus: Extra inputs are not permitted"),
+    ({"slo": {"classes": {"Gold": {"ttftMs": 1, "tbtMs": 1}}}}, "slo.classes names must be lowercase identifiers"),
+    ({"slo": {"classes": {"default": {"ttftMs": 1, "tbtMs": 1}}}}, "slo.classes must not define 'default'"),
+    ({"slo": {"classes": {"gold": {"ttftMs": 0, "tbtMs": 1}}}}, "classes.gold.ttftMs: Input should be greater"),
+    ({"slo": {"classes": {"gold": {"ttftMs": 1}}}}, "spec.slo.classes.gold.tbtMs: Field required"),
+    ({"slo": {"classes": {"gold": {"ttftMs": 1, "tbtMs": 1, "prio": 1}}}}, "spec.slo.classes.gold.prio: Extra inputs"),
+    (
+        {"slo": {"classes": {"gold": {"ttftMs": 1, "tbtMs": 1}}}, "engine": {"args": ["--slo-classes={}"]}},
+        "must not set --slo-classes when slo.classes is set",
+    ),
 ]
 
 
@@ -173,3 +182,52 @@ def test_cel_rules_exist_for_every_python_rule():
     cel = {rule["message"] for _, rule in _cel_rules(crd_schema()["properties"]["spec"])}
     assert len(cel) >= 5
     assert build_crd()["spec"]["names"]["kind"] == names.KIND
+
+
+# ---- SLO classes --------------------------------------------------------------------------------
+
+GOOD_CLASSES = {"interactive": {"ttftMs": 500, "tbtMs": 100, "priority": 1}, "batch_2": {"ttftMs": 30000, "tbtMs": 1e3}}
+
+
+def test_slo_classes_are_accepted_by_every_validator():
+    raw = merged({"slo": {"classes": GOOD_CLASSES}})
+    jsonschema.validate(raw, crd_schema()["properties"]["spec"], cls=jsonschema.Draft4Validator)
+    outcome = validate("svc", raw)
+    assert outcome.ok, outcome.problems
+    assert outcome.spec.slo.classes["batch_2"].priority == 0
+    assert outcome.spec.dump()["slo"]["classes"]["interactive"] == {"ttftMs": 500, "tbtMs": 100, "priority": 1}
+    assert validate("svc", merged({"slo": {"classes": {}}})).ok  # no named classes: every request is `default`
+
+
+@pytest.mark.parametrize(
+    "classes",
+    [{"gold": {"ttftMs": 0, "tbtMs": 1}}, {"gold": {"ttftMs": 1}}, {"gold": {"ttftMs": 1, "tbtMs": 1, "priority": "x"}},
+     {"gold": "fast"}, {f"c{i}": {"ttftMs": 1, "tbtMs": 1} for i in range(17)}],
+)  # fmt: skip
+def test_schema_rejects_bad_class_maps(classes):
+    validator = jsonschema.Draft4Validator(crd_schema()["properties"]["spec"])
+    assert list(validator.iter_errors(merged({"slo": {"classes": classes}})))
+    assert not validate("svc", merged({"slo": {"classes": classes}})).ok
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [(["interactive", "batch_2"], None), (["Gold"], "lowercase identifiers"), (["9lives"], "lowercase identifiers"),
+     (["a" * 64], "lowercase identifiers"), (["gold-tier"], "lowercase identifiers"), (["default"], "'default'")],
+)  # fmt: skip
+def test_class_name_cel_rules_agree_with_python(names, message):
+    classes = {n: {"ttftMs": 1, "tbtMs": 1, "priority": 0} for n in names}
+    slo_schema = crd_schema()["properties"]["spec"]["properties"]["slo"]
+    env = celpy.Environment()
+    target = celpy.json_to_cel({"classes": classes})
+    failed = [r["message"] for r in slo_schema["x-kubernetes-validations"]
+              if not env.program(env.compile(r["rule"])).evaluate({"self": target})]  # fmt: skip
+    outcome = validate("svc", merged({"slo": {"classes": classes}}))
+    if message is None:
+        assert failed == [] and outcome.ok
+    else:
+        assert len(failed) == 1 and message in failed[0]
+        assert failed[0] in outcome.message  # the same words from the API server and the operator
+        cond = conditions.validated(outcome.problems)  # what the status shows when the CEL was bypassed
+        assert (cond.type, cond.status, cond.reason) == ("Validated", "False", "InvalidSpec")
+        assert failed[0] in cond.message

@@ -213,16 +213,25 @@ def test_predictions():
 # ---- scraping and windows ---------------------------------------------------------------------
 
 
+# The engine labels SLO verdicts and latency histograms by SLO class; pages split every count over two.
+CLASS_SHARES = {"interactive": 0.25, "default": 0.75}
+
+
 def page(met: float, missed: float, ttft_le: dict[float, float], running: float = 3, model: str = "m") -> str:
-    lines = [
-        f"# TYPE {metric('slo_requests')}_total counter",
-        f'{metric("slo_requests")}_total{{model_name="{model}",ttft="met",tbt="met"}} {met}',
-        f'{metric("slo_requests")}_total{{model_name="{model}",ttft="missed",tbt="met"}} {missed}',
-        f"# TYPE {metric('time_to_first_token_seconds')} histogram",
-    ]
-    for le, count in ttft_le.items():
-        le_text = "+Inf" if math.isinf(le) else str(le)
-        lines.append(f'{metric("time_to_first_token_seconds")}_bucket{{model_name="{model}",le="{le_text}"}} {count}')
+    lines = [f"# TYPE {metric('slo_requests')}_total counter"]
+    for cls, share in CLASS_SHARES.items():
+        lines += [
+            f'{metric("slo_requests")}_total{{model_name="{model}",ttft="met",tbt="met",slo_class="{cls}"}} '
+            f"{met * share}",
+            f'{metric("slo_requests")}_total{{model_name="{model}",ttft="missed",tbt="met",slo_class="{cls}"}} '
+            f"{missed * share}",
+        ]
+    lines.append(f"# TYPE {metric('time_to_first_token_seconds')} histogram")
+    for cls, share in CLASS_SHARES.items():
+        for le, count in ttft_le.items():
+            le_text = "+Inf" if math.isinf(le) else str(le)
+            labels = f'model_name="{model}",slo_class="{cls}",le="{le_text}"'
+            lines.append(f"{metric('time_to_first_token_seconds')}_bucket{{{labels}}} {count * share}")
     lines += [
         f"# TYPE {metric('requests_running')} gauge",
         f'{metric("requests_running")}{{model_name="{model}"}} {running}',

@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from superinfer.engine import contract as c
 from superinfer.engine.contract import exported_series_names
 from superinfer.operator import dashboards, gen, metrics, promql
 from superinfer.operator.values import ChartValues
@@ -202,6 +203,20 @@ def test_every_promql_expr_uses_only_exported_metric_names(chart):
                    "superinfer_engine_time_between_tokens_seconds_bucket", "superinfer_engine_requests_rotary",
                    "superinfer_engine_kv_swap_bytes_total", "superinfer_operator_desired_replicas"):  # fmt: skip
         assert needed in used
+
+
+def test_every_promql_grouping_label_is_an_exported_label(chart):
+    engine = {
+        label for labels in (*c.GAUGES.values(), *c.COUNTERS.values(), *c.HISTOGRAMS.values()) for label in labels
+    }
+    known = engine | set(c.SLO_TARGET_LABELS) | {"model_name", "le"} | {*metrics.LABELS, "direction", "reason"}
+    grouped: set[str] = set()
+    for expr in all_exprs(chart):
+        for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
+            labels = {label.strip() for label in group.split(",") if label.strip()}
+            assert labels <= known, f"{sorted(labels - known)} in {expr}"
+            grouped |= labels
+    assert c.SLO_CLASS_LABEL in grouped  # goodput, attainment and latency per SLO class
 
 
 def test_operator_metric_names_match_what_prometheus_client_exports():

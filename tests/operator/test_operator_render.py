@@ -10,6 +10,9 @@ import pytest
 import yaml
 
 from superinfer.engine import contract
+from superinfer.engine.cli import build_parser, engine_config
+from superinfer.engine.config import EngineConfig
+from superinfer.engine.slo_classes import SLOClass
 from superinfer.operator import names
 from superinfer.operator.api import InferenceServiceSpec
 from superinfer.operator.render import Context, engine_args, merge_overrides, model_argument, render
@@ -171,3 +174,32 @@ def test_replicas_and_podmonitor_toggles():
         {"model": {"uri": "preset://tiny"}, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}
     )
     assert by_kind(render(Context("t", "ns"), auto))["Deployment"]["spec"]["replicas"] == 2
+
+
+def serve_config(args: list[str]) -> EngineConfig:
+    """What `superinfer serve` itself makes of rendered args (the real parser, no engine started)."""
+    return engine_config(build_parser().parse_args(["serve", *args]))
+
+
+def test_slo_classes_render_into_a_flag_the_engine_accepts():
+    _, spec = example("llama3-8b-gh200.yaml")
+    table = serve_config(engine_args(Context("llama3-8b", "ns"), spec)).slo_class_table()
+    assert table == {
+        "interactive": SLOClass(ttft_ms=500, tbt_ms=100, priority=1),
+        "batch": SLOClass(ttft_ms=30000, tbt_ms=1000, priority=0),
+        "default": SLOClass(ttft_ms=5000, tbt_ms=100, priority=0),
+    }
+    classes = {"fast": {"ttftMs": 250.5, "tbtMs": 40, "priority": -1}}
+    custom = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "slo": {"classes": classes}})
+    args = engine_args(Context("t", "ns"), custom)
+    assert args[args.index("--slo-classes") + 1] == '{"fast":{"ttft_ms":250.5,"tbt_ms":40,"priority":-1}}'
+    assert serve_config(args).slo_class_table()["fast"] == SLOClass(ttft_ms=250.5, tbt_ms=40, priority=-1)
+
+
+def test_no_classes_keep_the_engine_builtins_and_an_empty_map_clears_them():
+    plain = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}})
+    args = engine_args(Context("t", "ns"), plain)
+    assert "--slo-classes" not in args
+    assert set(serve_config(args).slo_class_table()) == {"interactive", "batch", "default"}
+    empty = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "slo": {"classes": {}}})
+    assert set(serve_config(engine_args(Context("t", "ns"), empty)).slo_class_table()) == {"default"}
