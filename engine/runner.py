@@ -10,6 +10,7 @@ step t is collected (async scheduling).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,19 @@ from superinfer.engine.attention import PagedAttention, SeqSpan, plan_attention
 from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
 from superinfer.engine.duplex import CopyStats, DuplexKV, StepCopies
 from superinfer.engine.sampling import SampledLogprobs, sample
+
+
+def torch_threads(requested: int | None) -> int:
+    """Threads for torch's CPU work: `requested`, else OMP_NUM_THREADS, else every core but one (at
+    least one), which leaves a core to the HTTP server; on a loaded CPU, threads that wait for each
+    other's core slow every step down."""
+    if requested is not None:
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 @dataclass(frozen=True)
