@@ -90,6 +90,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument(
+        "--no-generate-batch",
+        dest="generate_batch",
+        action="store_false",
+        help="skip transformers' generate_batch (it sizes its cache to the free memory)",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -116,7 +122,7 @@ def main() -> None:
         "speedup": hf_s / engine_s,
         "greedy_outputs_identical_share": same,
     }
-    if hasattr(hf, "generate_batch"):
+    if args.generate_batch and hasattr(hf, "generate_batch"):
         batch_s, batch_out = run_generate_batch(hf, prompts, args.output_tokens, args.device)
         figures["transformers_generate_batch_tok_s"] = tokens / batch_s
         figures["speedup_vs_generate_batch"] = batch_s / engine_s

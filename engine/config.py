@@ -22,6 +22,9 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dummy_weights: bool = Field(False, description="random weights of the model's architecture")
     seed: int = 0
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (default: OMP_NUM_THREADS, else all cores but one, at least 1)"
+    )
 
     # KV cache
     block_size: int = Field(16, ge=1, le=256)

@@ -31,7 +31,7 @@ from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
 from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.output import RequestOutput, TextStream
-from superinfer.engine.runner import ModelRunner, StepOutput, SubmittedStep
+from superinfer.engine.runner import ModelRunner, StepOutput, SubmittedStep, torch_threads
 from superinfer.engine.slo import SLO
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -90,6 +90,7 @@ class EngineCore:
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
+        torch.set_num_threads(torch_threads(config.torch_threads))
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,

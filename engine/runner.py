@@ -10,15 +10,28 @@ step t is collected (async scheduling).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from superinfer.engine.attention import AttentionMetadata, PagedAttention
-from superinfer.engine.core.kv import cdiv
+from superinfer.engine.attention import PagedAttention, SeqSpan, plan_attention
 from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
 from superinfer.engine.duplex import CopyStats, DuplexKV, StepCopies
 from superinfer.engine.sampling import SampledLogprobs, sample
+
+
+def torch_threads(requested: int | None) -> int:
+    """Threads for torch's CPU work: `requested`, else OMP_NUM_THREADS, else every core but one (at
+    least one), which leaves a core to the HTTP server; on a loaded CPU, threads that wait for each
+    other's core slow every step down."""
+    if requested is not None:
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 @dataclass(frozen=True)
@@ -51,18 +64,13 @@ class SubmittedStep:
 class _StepInputs:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slot_blocks: list[int] = field(default_factory=list)
-    slot_offsets: list[int] = field(default_factory=list)
-    decode_rows: list[int] = field(default_factory=list)
-    decode_tables: list[list[int]] = field(default_factory=list)
-    decode_context: list[int] = field(default_factory=list)
-    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    spans: list[SeqSpan] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_ids: list[str] = field(default_factory=list)  # whose token from the previous step
 
 
-def _gather_inputs(plan: StepPlan, block_size: int) -> _StepInputs:
+def _gather_inputs(plan: StepPlan) -> _StepInputs:
     x = _StepInputs()
     row = 0
     for seq in plan.seqs:
@@ -72,16 +80,7 @@ def _gather_inputs(plan: StepPlan, block_size: int) -> _StepInputs:
             x.placeholder_rows.append(row + n - 1)
             x.placeholder_ids.append(seq.request_id)
         x.positions.extend(range(start, ctx))
-        for pos in range(start, ctx):
-            x.slot_blocks.append(seq.block_ids[pos // block_size])
-            x.slot_offsets.append(pos % block_size)
-        table = seq.block_ids[: cdiv(ctx, block_size)]
-        if n == 1:
-            x.decode_rows.append(row)
-            x.decode_tables.append(table)
-            x.decode_context.append(ctx)
-        else:
-            x.prefills.append((row, n, ctx, table))
+        x.spans.append(SeqSpan(row, n, ctx, seq.block_ids))
         row += n
         if seq.sample:
             x.sample_rows.append(row - 1)
@@ -112,18 +111,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
-
-    def _metadata(self, x: _StepInputs) -> AttentionMetadata:
-        width = max((len(t) for t in x.decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in x.decode_tables]
-        return AttentionMetadata(
-            slot_blocks=self._tensor(x.slot_blocks),
-            slot_offsets=self._tensor(x.slot_offsets),
-            decode_rows=self._tensor(x.decode_rows),
-            decode_tables=self._tensor(padded) if padded else self._tensor([]).view(0, 0),
-            decode_context=self._tensor(x.decode_context),
-            prefills=[(r, n, c, self._tensor(t)) for r, n, c, t in x.prefills],
-        )
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -172,7 +159,7 @@ class ModelRunner:
         return host.copy_(t, non_blocking=True)
 
     def _forward(self, plan: StepPlan, step: SubmittedStep, previous: tuple[list[str], torch.Tensor | None]) -> None:
-        x = _gather_inputs(plan, self.block_size)
+        x = _gather_inputs(plan)
         input_ids = self._tensor(x.input_ids)
         if x.placeholder_rows:
             prev_ids, prev_tokens = previous
@@ -182,7 +169,7 @@ class ModelRunner:
                 raise RuntimeError(f"the previous step sampled no token for {missing}: stale placeholders")
             src = self._tensor([row_of[rid] for rid in x.placeholder_ids])
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
-        attn = PagedAttention(self.kv_cache, self._metadata(x), self.scale)
+        attn = PagedAttention(self.kv_cache, plan_attention(x.spans, self.kv_cache), self.scale)
         hidden = self.model(input_ids, self._tensor(x.positions), attn)
         sampling = [s for s in plan.seqs if s.sample]
         if not sampling:

@@ -2,12 +2,15 @@
 
 The model owns no KV cache and computes no attention: each layer hands its post-norm, post-RoPE
 q/k/v to an injected `Attention` callable (the paged-KV backend in the engine, a dense causal one
-in tests). Parameter names follow Hugging Face so safetensors names map one to one.
+in tests). q/k/v and gate/up are fused into one Linear each (one matmul instead of three or two);
+`checkpoint_tensors` names every weight as Hugging Face does, the fused ones as row slices, so
+safetensors names still map one to one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -110,23 +113,39 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class FusedLinear(nn.Linear):
+    """Several Linear layers over the same input as one: their weights stacked row-wise, in order."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, **factory: Any) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias, **factory)
+        self.parts = parts  # checkpoint name of each part -> its output features
+
+    def split(self, tensor: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """(part name, row slice) of this layer's weight or bias: views that share its storage."""
+        start = 0
+        for name, size in self.parts.items():
+            yield name, tensor[start : start + size]
+            start += size
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, **factory: Any) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.q_size, bias=bias, **factory)
-        self.k_proj = nn.Linear(h, cfg.kv_size, bias=bias, **factory)
-        self.v_proj = nn.Linear(h, cfg.kv_size, bias=bias, **factory)
+        self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        parts = dict(zip(("q_proj", "k_proj", "v_proj"), self.sizes, strict=True))
+        self.qkv_proj = FusedLinear(h, parts, bias=bias, **factory)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_proj_bias, **factory)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -138,12 +157,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, **factory: Any) -> None:
         super().__init__()
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias, **factory)
-        self.up_proj = nn.Linear(h, i, bias=bias, **factory)
+        self.gate_up_proj = FusedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias, **factory)
         self.down_proj = nn.Linear(i, h, bias=bias, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -190,6 +209,19 @@ class DecoderLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def checkpoint_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Every weight under its Hugging Face checkpoint name, in parameter order (a tied lm_head
+        once, as the embedding); fused weights as views of their rows, so writing one fills the model."""
+        fused = {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}
+        for name, p in self.named_parameters():
+            owner, _, kind = name.rpartition(".")
+            if owner not in fused:
+                yield name, p
+                continue
+            prefix = owner.rpartition(".")[0]
+            for part, view in fused[owner].split(p):
+                yield f"{prefix}.{part}.{kind}", view
+
     def forward(self, input_ids: Tensor, positions: Tensor, attn: Attention) -> Tensor:
         """input_ids, positions: [T] (many sequences flattened) -> final-norm hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
@@ -204,13 +236,14 @@ class DecoderLM(nn.Module):
 
 
 @torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def init_random_weights(model: DecoderLM, seed: int = 0, std: float = 0.02) -> None:
     """Deterministic dummy weights in place, on the parameters' own device and dtype.
 
+    Each checkpoint tensor is drawn on its own, in checkpoint order, so fusing layers changes no value.
     Matrices and embeddings ~ N(0, std), norm weights 1, biases 0. Meta tensors are left alone.
     """
     generators: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+    for name, p in model.checkpoint_tensors():
         if p.device.type == "meta":
             continue
         if name.endswith("norm.weight"):

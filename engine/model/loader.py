@@ -133,7 +133,7 @@ def _checkpoint_tensors(files: list[Path], device: torch.device) -> Iterator[tup
 @torch.no_grad()
 def load_weights(model: DecoderLM, path: Path) -> None:
     """Copy the checkpoint in `path` into `model`, checking every name and shape."""
-    params = dict(model.named_parameters())  # tied lm_head appears once, as the embedding
+    params = dict(model.checkpoint_tensors())  # tied lm_head appears once, as the embedding
     device = next(iter(params.values())).device
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()

@@ -406,7 +406,7 @@ def write_tiny_model(dest: Path) -> None:
     )
     model = DecoderLM(ModelConfig.from_dict(raw))
     init_random_weights(model, seed=TINY_SEED)
-    tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.checkpoint_tensors()}
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
 
 

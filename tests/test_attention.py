@@ -1,0 +1,122 @@
+"""Paged attention on ragged steps against dense causal attention over each sequence's history."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from superinfer.engine.attention import AttentionGroup, PagedAttention, SeqSpan, allocate_kv_cache, plan_attention
+
+LAYERS, KV_HEADS, HEADS, DIM = 2, 2, 4, 16
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [n, H, D] at positions start.. over k, v [start + n, KV, D], causal, GQA by repetition."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * DIM**-0.5
+    hidden = torch.arange(k.shape[0])[None, :] > (start + torch.arange(q.shape[0]))[:, None]
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.double()).float()
+
+
+def _run_steps(seed: int, block_size: int, pad_tokens: int, group_bytes: int, device: str = "cpu") -> set[str]:
+    """Sequences arrive, prefill in chunks (some grouped, some continued) and decode, mixed in
+    shuffled steps; every step's output equals dense attention over the sequence's history.
+    Returns the kinds of groups the steps had."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 400 // block_size * 12 + 8
+    cache = allocate_kv_cache(num_blocks, LAYERS, block_size, KV_HEADS, DIM, torch.float32, "cpu")
+    cache.normal_(generator=gen)  # stale values in every slot: padding must never be attended
+    cache = cache.to(device)
+    free = list(range(num_blocks))
+    random.Random(-seed).shuffle(free)  # scattered blocks; the same steps whatever the block size
+    prompts = [rng.choice([1, 2, 5, 16, 17, 40, 63, 64, 100, 150]) for _ in range(12)]
+    done = [0] * len(prompts)  # tokens whose K/V are in the cache
+    blocks: list[list[int]] = [[] for _ in prompts]
+    history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    kinds: set[str] = set()
+    for _ in range(8):
+        spans, chunks, row = [], [], 0
+        order = list(range(len(prompts)))
+        rng.shuffle(order)
+        for i in order:
+            left = prompts[i] - done[i]
+            n = 1 if left <= 0 else min(left, rng.choice([left, 7, 33]))
+            if rng.random() < 0.2:
+                continue  # not scheduled this step
+            ctx = done[i] + n
+            while len(blocks[i]) * block_size < ctx:
+                blocks[i].append(free.pop())
+            spans.append(SeqSpan(row, n, ctx, list(blocks[i])))
+            chunks.append((i, done[i], n))
+            row += n
+            done[i] = ctx
+        if not spans:
+            continue
+        q = torch.randn(row, HEADS, DIM, generator=gen)
+        k = torch.randn(row, KV_HEADS, DIM, generator=gen)
+        v = torch.randn(row, KV_HEADS, DIM, generator=gen)
+        meta = plan_attention(spans, cache, pad_tokens, group_bytes)
+        kinds |= {_kind(g) for g in meta.groups}
+        attn = PagedAttention(cache, meta, DIM**-0.5)
+        for layer in range(LAYERS):
+            out = attn(layer, *(t.to(device) for t in (q * (layer + 1), k + layer, v - layer))).cpu()
+            for span, (i, start, n) in zip(spans, chunks, strict=True):
+                rows = slice(span.row, span.row + n)
+                pk, pv = history.get((i, layer), (k[:0], v[:0]))
+                keys, values = torch.cat([pk, k[rows] + layer]), torch.cat([pv, v[rows] - layer])
+                history[(i, layer)] = (keys, values)
+                want = _dense(q[rows] * (layer + 1), keys, values, start)
+                torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
+    return kinds
+
+
+def _kind(g: AttentionGroup) -> str:
+    kind = "decodes" if g.q_len == 1 else "first chunks" if g.causal else "continued chunk"
+    return kind + (" (padded)" if g.picked is not None else "") + (" x1" if g.n == 1 else " xN")
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("seed", range(3))
+def test_ragged_steps_match_dense_attention(block_size: int, seed: int) -> None:
+    kinds = _run_steps(seed, block_size, pad_tokens=64, group_bytes=4 << 20)
+    assert {"decodes xN", "first chunks (padded) xN", "continued chunk x1"} <= kinds
+
+
+@pytest.mark.parametrize(("pad_tokens", "group_bytes"), [(0, 1), (10_000, 1 << 30), (32, 64 << 10)])
+def test_grouping_never_changes_results(pad_tokens: int, group_bytes: int) -> None:
+    """One group per sequence, one group for everything alike, and groups capped by size."""
+    _run_steps(7, 16, pad_tokens, group_bytes)
+
+
+def test_groups_bound_padding_and_size() -> None:
+    rng = random.Random(0)
+    cache = allocate_kv_cache(1, 1, 16, KV_HEADS, DIM, torch.float32, "cpu")
+    token_bytes = 2 * KV_HEADS * DIM * 4
+    spans, row = [], 0
+    for _ in range(60):
+        n = rng.choice([1, 1, 1, 30, 90])
+        ctx = n if n > 1 and rng.random() < 0.5 else n + rng.randrange(0, 500)
+        spans.append(SeqSpan(row, n, ctx, [0] * (ctx // 16 + 1)))
+        row += n
+    meta = plan_attention(spans, cache, pad_tokens=48, group_bytes=200 * token_bytes)
+    assert sorted(torch.cat([g.out_rows for g in meta.groups]).tolist()) == list(range(row))
+    for g in meta.groups:
+        width = g.blocks.numel() // g.n * 16
+        members = [s for s in spans if s.row in set(g.out_rows.tolist())]
+        assert len(members) == g.n
+        if g.n > 1:
+            assert g.n * max(s.context for s in members) <= 200
+            length = (lambda s: s.context) if g.q_len == 1 else (lambda s: s.num_tokens)
+            assert max(map(length, members)) - min(map(length, members)) <= 48
+        assert width >= max(s.context for s in members)
+        assert g.causal == (g.mask is None)
+
+
+@pytest.mark.gpu
+def test_ragged_steps_match_dense_attention_cuda() -> None:
+    _run_steps(1, 16, pad_tokens=64, group_bytes=4 << 20, device="cuda")
