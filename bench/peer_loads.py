@@ -15,7 +15,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from superinfer.engine.slo import SLO, RequestTiming, summarize
+from superinfer.engine.slo import SLO, RequestTiming, percentile, summarize
 from superinfer.engine.workload import RequestClass, WorkItem, burst_workload, mixed_workload
 
 HOL_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)
@@ -94,6 +94,12 @@ LOADS = ("batch1", "saturation", "hol", "poisson")
 SEQUENTIAL = ("batch1",)  # sent one at a time, each after the previous one finished
 
 
+def ms_per_token(t: RequestTiming) -> float:
+    """Milliseconds from sending the request to its last token, per output token: unlike TPOT, it
+    does not fall to zero when a server sends its tokens in a few merged chunks."""
+    return 1000.0 * (t.token_times[-1] - t.arrival) / len(t.token_times)
+
+
 def of_label(items: Sequence[WorkItem], timings: Sequence[RequestTiming], label: str) -> list[RequestTiming]:
     return [t for it, t in zip(items, timings, strict=True) if it.label == label]
 
@@ -113,7 +119,11 @@ def figures(
     every = summarize(timings, duration_s)
     out = {"output_tok_s": every["throughput_tok_s"], "preemptions": preemptions}
     if load in ("batch1", "saturation"):
-        out |= {"tpot_p50_ms": every["tpot_p50_ms"], "ttft_p50_ms": every["ttft_p50_ms"]}
+        out |= {
+            "tpot_p50_ms": every["tpot_p50_ms"],
+            "ttft_p50_ms": every["ttft_p50_ms"],
+            "ms_per_token_p50": percentile([ms_per_token(t) for t in timings if t.token_times], 50),
+        }
     elif load == "hol":
         short = summarize(of_label(items, timings, "short"))
         out |= {

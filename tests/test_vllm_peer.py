@@ -265,3 +265,14 @@ def test_a_server_that_never_answers_times_out_and_is_killed(tmp_path: Path, mon
     with pytest.raises(TimeoutError):
         asyncio.run(run())
     assert procs[0].poll() is not None  # stopped, not left running
+
+
+def test_batch1_latency_per_token_survives_merged_chunks():
+    slo = SLO()
+    streamed = timing(0.0, 0.01, 0.002, 10, slo)  # one token every 2 ms
+    merged = RequestTiming(0.0, (0.028,) * 10, slo)  # the same tokens, all in one chunk at the end
+    work = items("batch1", LoadShape(batch1_requests=1), 0)
+    a = figures("batch1", work, [streamed], 1.0, None, 0.0)
+    b = figures("batch1", work, [merged], 1.0, None, 0.0)
+    assert a["ms_per_token_p50"] == pytest.approx(b["ms_per_token_p50"]) == pytest.approx(2.8)
+    assert b["tpot_p50_ms"] == 0.0 and a["tpot_p50_ms"] == pytest.approx(2.0)
