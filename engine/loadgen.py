@@ -1,7 +1,9 @@
 """Load generation against any OpenAI-compatible endpoint, measured with the SLO definitions.
 
 Each streamed SSE chunk of /v1/completions carries one token, so chunk arrival times are token
-times. Arrival is when the request is sent.
+times, unless the chunk says otherwise: a server that merges tokens into one chunk when it falls
+behind (vLLM) reports its running count with `stream_options.continuous_usage_stats`, and each of
+a chunk's tokens is timed at the chunk's arrival. Arrival is when the request is sent.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -33,6 +36,7 @@ async def stream_completion(
     base_url: str,
     model: str,
     req: LoadRequest,
+    extra_body: dict[str, Any] | None = None,
 ) -> RequestTiming:
     body = {
         "model": model,
@@ -42,6 +46,7 @@ async def stream_completion(
         "temperature": 0,
         "ignore_eos": True,
         "slo": {"ttft_ms": req.slo.ttft_ms, "tbt_ms": req.slo.tbt_ms},
+        **(extra_body or {}),
     }
     sent = time.monotonic()
     times: list[float] = []
@@ -53,17 +58,30 @@ async def stream_completion(
                 chunk = json.loads(line[6:])
                 if "error" in chunk:  # the server failed mid-stream: not a token
                     raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
-                times.append(time.monotonic())
+                times += [time.monotonic()] * chunk_tokens(chunk, len(times))
     return RequestTiming(sent, tuple(times), req.slo)
 
 
-async def run_load(base_url: str, model: str, requests: Sequence[LoadRequest]) -> tuple[list[RequestTiming], float]:
+def chunk_tokens(chunk: dict[str, Any], seen: int) -> int:
+    """Output tokens a streamed chunk carries: one per chunk with choices, unless its running usage
+    count (continuous usage stats) says how many; a usage-only chunk carries none."""
+    if not chunk.get("choices"):
+        return 0
+    usage = chunk.get("usage")
+    if usage and usage.get("completion_tokens") is not None:
+        return max(0, usage["completion_tokens"] - seen)
+    return 1
+
+
+async def run_load(
+    base_url: str, model: str, requests: Sequence[LoadRequest], extra_body: dict[str, Any] | None = None
+) -> tuple[list[RequestTiming], float]:
     """Send every request at its delay (open loop); returns the timings and the run's duration."""
     start = time.monotonic()
 
     async def one(session: aiohttp.ClientSession, req: LoadRequest) -> RequestTiming:
         await asyncio.sleep(max(0.0, start + req.delay_s - time.monotonic()))
-        return await stream_completion(session, base_url, model, req)
+        return await stream_completion(session, base_url, model, req, extra_body)
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:

@@ -25,6 +25,7 @@ class WorkItem:
     prompt_len: int
     output_len: int
     slo: SLO = field(default_factory=SLO)
+    label: str = ""  # the request's class in mixed workloads ("interactive", "batch", "long", ...)
 
 
 def gamma_arrivals(rate: float, n: int, seed: int = 0, burstiness: float = 1.0, start: float = 0.0) -> list[float]:
@@ -72,12 +73,52 @@ def burst_workload(
     burst_rate: float = 40.0,
     prompt_len: tuple[int, int] = (16, 64),
     burst_output: int = 24,
+    long_prompt_len: tuple[int, int] | None = None,
 ) -> list[WorkItem]:
-    """Head-of-line blocking in miniature: long decodes fill KV memory, then a burst arrives."""
+    """Head-of-line blocking in miniature: long decodes fill KV memory, then a burst arrives.
+
+    Long requests draw their prompt lengths from `long_prompt_len` (default: `prompt_len`).
+    """
     rng = random.Random(seed)
-    items = [WorkItem(0.01 * i, rng.randint(*prompt_len), long_output, slo) for i in range(long_requests)]
+    long_prompt = long_prompt_len or prompt_len
+    items = [WorkItem(0.01 * i, rng.randint(*long_prompt), long_output, slo, "long") for i in range(long_requests)]
     for t in gamma_arrivals(burst_rate, burst, seed, start=burst_start_s):
-        items.append(WorkItem(t, rng.randint(*prompt_len), burst_output, slo))
+        items.append(WorkItem(t, rng.randint(*prompt_len), burst_output, slo, "short"))
+    return items
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    """One class of a mixed load: its share of arrivals, its SLO and its median lengths."""
+
+    label: str
+    share: float
+    slo: SLO
+    prompt_median: float
+    output_median: float
+
+
+def mixed_workload(
+    classes: Sequence[RequestClass],
+    rate: float,
+    duration_s: float,
+    seed: int = 0,
+    max_prompt: int = 1024,
+    max_output: int = 8192,
+) -> list[WorkItem]:
+    """Poisson arrivals over `duration_s`, each drawn into a class by its share (labelled with it)."""
+    total = sum(c.share for c in classes)
+    if not classes or total <= 0 or any(c.share < 0 for c in classes):
+        raise ValueError("classes need non-negative shares with a positive sum")
+    n = max(1, round(rate * duration_s))
+    arrivals = [t for t in gamma_arrivals(rate, n, seed) if t <= duration_s] or [0.0]
+    rng = random.Random(seed + 1)
+    picked = rng.choices(classes, weights=[c.share for c in classes], k=len(arrivals))
+    items = []
+    for t, c in zip(arrivals, picked, strict=True):
+        prompt = min(max_prompt, max(4, round(rng.lognormvariate(math.log(c.prompt_median), 0.9))))
+        output = min(max_output, max(4, round(rng.lognormvariate(math.log(c.output_median), 0.9))))
+        items.append(WorkItem(t, prompt, output, c.slo, c.label))
     return items
 
 

