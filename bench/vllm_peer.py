@@ -40,7 +40,7 @@ from bench.peer_settings import Contender, Matched, command, request_body
 from bench.peer_table import Results, markdown, rich_table, spreads, versus_vllm
 from bench.record import write_result
 from bench.server_process import Launch, free_port, serving
-from superinfer.engine.contract import METRICS_PATH
+from superinfer.engine.contract import BUILTIN_SLO_CLASSES, METRICS_PATH
 from superinfer.engine.loadgen import LoadRequest, run_load, stream_completion
 from superinfer.engine.slo import RequestTiming
 from superinfer.engine.workload import WorkItem, prompt_tokens
@@ -85,7 +85,12 @@ async def run_sequential(
 
 def requests(work: Sequence[WorkItem], vocab_size: int, seed: int) -> list[LoadRequest]:
     prompts = prompt_tokens(work, vocab_size, seed)
-    return [LoadRequest(p, it.output_len, it.slo, it.arrival_s) for p, it in zip(prompts, work, strict=True)]
+    # Items labelled with one of our built-in SLO classes name it (its priority reaches the scheduler);
+    # vLLM ignores the field. Their explicit SLO still sets the targets.
+    return [
+        LoadRequest(p, it.output_len, it.slo, it.arrival_s, it.label if it.label in BUILTIN_SLO_CLASSES else None)
+        for p, it in zip(prompts, work, strict=True)
+    ]
 
 
 async def measure(

@@ -29,6 +29,7 @@ class LoadRequest:
     max_tokens: int
     slo: SLO = field(default_factory=SLO)
     delay_s: float = 0.0  # send this long after the run starts (open-loop arrivals)
+    slo_class: str | None = None  # sent as the body field `slo_class` (servers without classes ignore it)
 
 
 async def stream_completion(
@@ -46,6 +47,7 @@ async def stream_completion(
         "temperature": 0,
         "ignore_eos": True,
         "slo": {"ttft_ms": req.slo.ttft_ms, "tbt_ms": req.slo.tbt_ms},
+        **({"slo_class": req.slo_class} if req.slo_class else {}),
         **(extra_body or {}),
     }
     sent = time.monotonic()
