@@ -112,10 +112,14 @@ def _clamp(n: int, p: Params) -> int:
     return max(p.min_replicas, min(p.max_replicas, n))
 
 
+def window_classes(s: WindowStats, p: Params) -> list[ClassLatency]:
+    """Every class with traffic in the window, with the targets its p90s are held to."""
+    return class_latencies(s, p.classes, Targets(p.ttft_slo_ms, p.tbt_slo_ms))
+
+
 def judged_classes(s: WindowStats, p: Params) -> list[ClassLatency]:
     """The classes whose p90s count: those with minRequests finished requests in the window."""
-    default = Targets(p.ttft_slo_ms, p.tbt_slo_ms)
-    return [c for c in class_latencies(s, p.classes, default) if c.requests >= p.min_requests]
+    return [c for c in window_classes(s, p) if c.requests >= p.min_requests]
 
 
 def distress_ratio(s: WindowStats, p: Params, replicas: int) -> tuple[float, str]:

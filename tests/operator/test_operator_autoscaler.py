@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 
 from superinfer.engine.contract import metric
-from superinfer.operator.api import InferenceServiceSpec, SLOClassSpec
-from superinfer.operator.autoscale import tick
+from superinfer.operator.api import InferenceServiceSpec, SLOClassSpec, SLOStatus
+from superinfer.operator.autoscale import record, tick
 from superinfer.operator.autoscaler import Memory, Observation, Params, decide, scale_up_target
 from superinfer.operator.kube import Kube
 from superinfer.operator.latency import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
 from superinfer.operator.scrape import ClassStats, Window, WindowStats, histogram_quantile, parse, pooled
-from superinfer.operator.state import Config, State
+from superinfer.operator.state import Config, Scaler, State
 
 SPEC = InferenceServiceSpec.model_validate(
     {
@@ -406,6 +406,17 @@ def test_window_gives_each_class_its_p90_and_targets():
     # Batch within its 30 s and interactive within 400 ms: nothing to scale for.
     d = decide(obs(2, s=replace(s, pods=2)), P, WARM)
     assert d.action == "Hold", d.message
+
+
+def test_status_lists_each_class_beside_the_targets_it_is_held_to():
+    scaler = Scaler(memory=WARM, window=Window(seconds=120))
+    s = two_classes(replace(FAST, ttft_target_ms=450), SLOW_BATCH)
+    record(scaler, decide(obs(2, s=s), P, WARM), T0, 2, s, P)
+    status = SLOStatus.model_validate(scaler.slo_status)  # what the CRD's status schema accepts
+    assert status.ttft_ms == 12000 and status.classes is not None
+    by_name = {c.name: c for c in status.classes}
+    assert (by_name["interactive"].ttft_ms, by_name["interactive"].ttft_target_ms) == (200, 450)  # the engine's
+    assert (by_name["batch"].ttft_ms, by_name["batch"].ttft_target_ms, by_name["batch"].requests) == (12000, 30000, 160)
 
 
 async def test_tick_leaves_an_invalid_service_alone():
