@@ -71,8 +71,8 @@ def class_status(stats: WindowStats, params: Params) -> list[dict[str, Any]]:
             "attainment": _round(attainment.get(c.name, stats.attainment), 4),
             "ttftMs": _round(c.ttft_p90_ms),
             "tbtMs": _round(c.tbt_p90_ms),
-            "ttftTargetMs": c.targets.ttft_ms,
-            "tbtTargetMs": c.targets.tbt_ms,
+            "ttftTargetMs": _round(c.targets.ttft_ms, 3),
+            "tbtTargetMs": _round(c.targets.tbt_ms, 3),
         }
         out.append({k: v for k, v in entry.items() if v is not None})
     return out

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import aiohttp
 from aiohttp import web
 
-from superinfer.operator import prom
+from superinfer.engine import contract
+from superinfer.operator import prom, scrape
 from superinfer.operator.api import InferenceServiceSpec
 from superinfer.operator.autoscaler import Memory, Observation, Params, decide
 
@@ -135,3 +138,15 @@ async def test_unreachable_prometheus_means_no_window():
     async with aiohttp.ClientSession() as session:
         assert await prom.window(session, "http://127.0.0.1:9", "prod", "llama", 120, timeout=1) is None
     assert prom.build_stats({"pods": []}, 120) is None
+
+
+def test_queries_and_scrape_read_only_series_and_labels_of_the_engine_contract():
+    known = contract.exported_series_names()
+    families = (*contract.COUNTERS.values(), *contract.HISTOGRAMS.values(), *contract.GAUGES.values())
+    labels = {label for family in families for label in family} | set(contract.SLO_TARGET_LABELS) | {"le"}
+    for expr in prom.queries("prod", "llama", 120).values():
+        names = set(re.findall(r"\b(superinfer_engine_[a-z_]+)\{", expr))
+        assert names and names <= known, expr
+        for group in re.findall(r"\bby \(([^)]*)\)", expr):
+            assert {g.strip() for g in group.split(",")} <= labels, expr
+    assert set(scrape.USED_SERIES) <= known
