@@ -347,13 +347,30 @@ class ModelStatus(KubeModel):
     last_failure: ModelFailure | None = None
 
 
+class SLOClassStatus(KubeModel):
+    name: str
+    requests: int | None = None
+    """Finished requests of the class in the window."""
+    attainment: float | None = None
+    ttft_ms: float | None = None
+    """Observed TTFT p90 of the class over the window, milliseconds."""
+    tbt_ms: float | None = None
+    """Observed TBT p90 of the class over the window, milliseconds."""
+    ttft_target_ms: float | None = None
+    """The class's TTFT target that the autoscaler holds its p90 to (the engine's, else the spec's)."""
+    tbt_target_ms: float | None = None
+    """The class's TBT target that the autoscaler holds its p90 to."""
+
+
 class SLOStatus(KubeModel):
     ttft_ms: float | None = None
-    """Observed TTFT quantile (p90) over the window, milliseconds."""
+    """Observed TTFT quantile (p90) over the window and all SLO classes together, milliseconds."""
     tbt_ms: float | None = None
-    """Observed TBT quantile (p90) over the window, milliseconds."""
+    """Observed TBT quantile (p90) over the window and all SLO classes together, milliseconds."""
     attainment: float | None = None
     requests: int | None = None
+    classes: list[SLOClassStatus] | None = Field(default=None, max_length=MAX_SLO_CLASSES + 1)
+    """Each SLO class with traffic in the window: its p90s and the targets the autoscaler compares them with."""
     evaluated_at: str | None = None
 
 

@@ -11,10 +11,11 @@ import aiohttp
 import kopf
 
 from superinfer.operator import conditions, names, prom, scrape
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.autoscaler import Decision, Observation, Params, decide
+from superinfer.operator.api import MAX_SLO_CLASSES, InferenceServiceSpec
+from superinfer.operator.autoscaler import Decision, Observation, Params, decide, window_classes
 from superinfer.operator.kube import PODS
 from superinfer.operator.reconcile import ISVC, now_iso
+from superinfer.operator.scrape import WindowStats
 from superinfer.operator.state import Scaler, State, pod_metrics_url
 from superinfer.operator.validation import validate
 
@@ -59,7 +60,27 @@ def observation(spec: InferenceServiceSpec, pods: list[Mapping[str, Any]], stats
     )
 
 
-def record(scaler: Scaler, decision: Decision, now: float, current: int, stats: Any) -> None:
+def class_status(stats: WindowStats, params: Params) -> list[dict[str, Any]]:
+    """status.slo.classes: each class's p90s beside the targets the autoscaler holds them to."""
+    attainment = {name: c.attainment for name, c in stats.classes.items()}
+    out = []
+    for c in window_classes(stats, params)[: MAX_SLO_CLASSES + 1]:
+        entry = {
+            "name": c.name,
+            "requests": int(c.requests),
+            "attainment": _round(attainment.get(c.name, stats.attainment), 4),
+            "ttftMs": _round(c.ttft_p90_ms),
+            "tbtMs": _round(c.tbt_p90_ms),
+            "ttftTargetMs": _round(c.targets.ttft_ms, 3),
+            "tbtTargetMs": _round(c.targets.tbt_ms, 3),
+        }
+        out.append({k: v for k, v in entry.items() if v is not None})
+    return out
+
+
+def record(
+    scaler: Scaler, decision: Decision, now: float, current: int, stats: WindowStats | None, params: Params
+) -> None:
     stamp = now_iso(now)
     entry = {
         "time": stamp,
@@ -89,6 +110,7 @@ def record(scaler: Scaler, decision: Decision, now: float, current: int, stats: 
                 "tbtMs": _round(stats.tbt_p90_ms),
                 "attainment": _round(stats.attainment, 4),
                 "requests": int(stats.requests),
+                "classes": class_status(stats, params),
                 "evaluatedAt": stamp,
             }.items()
             if v is not None
@@ -128,7 +150,7 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
         scaler.model.observe(stats.running / max(len(ready), 1), stats.tbt_mean_ms / 1000)
     obs = observation(spec, pods, stats, all_ok, now)
     decision = decide(obs, params, scaler.memory, scaler.model)
-    record(scaler, decision, now, obs.replicas, stats)
+    record(scaler, decision, now, obs.replicas, stats, params)
     state.metrics.desired_replicas.labels(ns, name).set(decision.target)
     if stats is not None and stats.attainment is not None:
         state.metrics.slo_attainment.labels(ns, name).set(stats.attainment)

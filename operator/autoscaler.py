@@ -4,22 +4,27 @@ Order of the rules (first match wins):
 1. bounds changed → clamp to [min, max];
 2. initial delay, missing/stale metrics → hold (MetricsAvailable=False);
 3. pods pending → hold (never stack scale-ups); unschedulable → hold, InsufficientCapacity;
-4. distress (attainment < target, p90 TTFT/TBT over the SLO, or saturation) → proportional scale-up,
-   capped at +maxStepPercent (≤ 2×) and maxReplicas, after the cooldown;
+4. distress (attainment < target, a class's p90 TTFT/TBT over that class's SLO, or saturation) →
+   proportional scale-up, capped at +maxStepPercent (≤ 2×) and maxReplicas, after the cooldown;
 5. too few finished requests → hold (SLOMet=Unknown);
 6. healthy for stabilizationSeconds → remove one replica if the survivors, taking N/(N-1) of the
-   load, are predicted to stay under sensitivity × SLO (consolidation check).
+   load, are predicted to keep every class under sensitivity × its SLO (consolidation check).
+
+Latency is judged per SLO class (pressure.py), for the classes with minRequests finished requests
+in the window; attainment already judges each request against its own class.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from superinfer.operator.api import InferenceServiceSpec
 from superinfer.operator.conditions import FALSE, TRUE, UNKNOWN, Cond
 from superinfer.operator.latency import LatencyModel, predict_ttft
+from superinfer.operator.pressure import ClassLatency, Targets, class_latencies, over_targets, spec_targets
 from superinfer.operator.scrape import WindowStats
 
 Action = Literal["ScaleUp", "ScaleDown", "Hold"]
@@ -45,6 +50,7 @@ class Params:
     max_num_seqs: int
     advisory: bool = False
     swap_limit_gbps: float | None = None
+    classes: Mapping[str, Targets] = field(default_factory=dict)  # the spec's, where the engine exports none
 
     @classmethod
     def from_spec(cls, spec: InferenceServiceSpec) -> Params:
@@ -65,6 +71,7 @@ class Params:
             sensitivity=a.scale_down.sensitivity,
             max_num_seqs=spec.engine.max_num_seqs,
             advisory=a.mode == "Advisory",
+            classes=spec_targets(spec.slo),
         )
 
 
@@ -105,15 +112,24 @@ def _clamp(n: int, p: Params) -> int:
     return max(p.min_replicas, min(p.max_replicas, n))
 
 
+def window_classes(s: WindowStats, p: Params) -> list[ClassLatency]:
+    """Every class with traffic in the window, with the targets its p90s are held to."""
+    return class_latencies(s, p.classes, Targets(p.ttft_slo_ms, p.tbt_slo_ms))
+
+
+def judged_classes(s: WindowStats, p: Params) -> list[ClassLatency]:
+    """The classes whose p90s count: those with minRequests finished requests in the window."""
+    return [c for c in window_classes(s, p) if c.requests >= p.min_requests]
+
+
 def distress_ratio(s: WindowStats, p: Params, replicas: int) -> tuple[float, str]:
-    """How far over the SLO the service is (>1 means scale up by about that factor) and why."""
+    """How far over the SLO the service is (>1 means scale up by about that factor) and why, the
+    worst reason first."""
     reasons: list[tuple[float, str]] = []
     if s.attainment is not None and s.requests >= p.min_requests and s.attainment < p.target:
         reasons.append((p.target / max(s.attainment, 0.05), f"attainment {s.attainment:.2f} < {p.target:.2f}"))
-    if s.ttft_p90_ms is not None and s.requests >= p.min_requests and s.ttft_p90_ms > p.ttft_slo_ms:
-        reasons.append((s.ttft_p90_ms / p.ttft_slo_ms, f"p90 TTFT {s.ttft_p90_ms:.0f}ms > {p.ttft_slo_ms:g}ms"))
-    if s.tbt_p90_ms is not None and s.requests >= p.min_requests and s.tbt_p90_ms > p.tbt_slo_ms:
-        reasons.append((s.tbt_p90_ms / p.tbt_slo_ms, f"p90 TBT {s.tbt_p90_ms:.0f}ms > {p.tbt_slo_ms:g}ms"))
+    for c in judged_classes(s, p):
+        reasons += over_targets(c)
     per_replica_waiting = s.waiting / max(replicas, 1)
     if per_replica_waiting > WAITING_PER_REPLICA:
         ratio = (s.running + s.waiting) / max(s.running, 1.0)
@@ -124,8 +140,8 @@ def distress_ratio(s: WindowStats, p: Params, replicas: int) -> tuple[float, str
         reasons.append((1.01, f"KV swap at {s.swap_gbps:.1f} GB/s, near the {p.swap_limit_gbps:g} GB/s link"))
     if not reasons:
         return 0.0, ""
-    ratio = max(r for r, _ in reasons)
-    return ratio, "; ".join(text for _, text in reasons)
+    reasons.sort(key=lambda r: -r[0])  # stable: equal ratios keep their order
+    return reasons[0][0], "; ".join(text for _, text in reasons)
 
 
 def scale_up_target(current: int, ratio: float, p: Params) -> int:
@@ -135,25 +151,59 @@ def scale_up_target(current: int, ratio: float, p: Params) -> int:
     return _clamp(max(current + 1, min(wanted, cap)), p)
 
 
-def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel) -> tuple[bool, str]:
-    """Would n-1 replicas, taking n/(n-1) of the load each, stay under sensitivity × SLO?"""
+@dataclass(frozen=True)
+class Prediction:
+    """One class's p90s predicted for n-1 replicas, and the limits they must stay under."""
+
+    name: str
+    tbt_ms: float
+    tbt_limit_ms: float
+    ttft_ms: float
+    ttft_limit_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return self.tbt_ms <= self.tbt_limit_ms and self.ttft_ms <= self.ttft_limit_ms
+
+    @property
+    def pressure(self) -> float:
+        return max(self.tbt_ms / self.tbt_limit_ms, self.ttft_ms / self.ttft_limit_ms)
+
+
+def predict_classes(s: WindowStats, p: Params, n: int, model: LatencyModel) -> list[Prediction]:
+    """Each judged class's p90s once n-1 replicas take n/(n-1) of the load each. The replica's TBT
+    growth (fitted line, on the mean of all tokens) scales every class's p90 alike; TTFT grows with
+    queueing."""
     grow = n / (n - 1)
     batch_now = s.running / n
     batch_after = batch_now * grow
     tbt_now = (s.tbt_mean_ms or s.tbt_p90_ms or 0.0) / 1000 or None
-    tbt_after = model.predict_tbt(batch_now, batch_after, tbt_now) * 1000
-    if s.tbt_p90_ms is not None and tbt_now:
-        tbt_after = tbt_after * s.tbt_p90_ms / (tbt_now * 1000)  # predict the p90, not the mean
+    tbt_mean_after = model.predict_tbt(batch_now, batch_after, tbt_now) * 1000
     occupancy = batch_now / p.max_num_seqs
-    ttft_after = predict_ttft(s.ttft_p90_ms or 0.0, occupancy, occupancy * grow)
-    tbt_limit, ttft_limit = p.sensitivity * p.tbt_slo_ms, p.sensitivity * p.ttft_slo_ms
+    out = []
+    for c in judged_classes(s, p):
+        tbt_after = tbt_mean_after
+        if c.tbt_p90_ms is not None and tbt_now:
+            tbt_after = tbt_mean_after * c.tbt_p90_ms / (tbt_now * 1000)  # predict the p90, not the mean
+        ttft_after = predict_ttft(c.ttft_p90_ms or 0.0, occupancy, occupancy * grow)
+        limits = (p.sensitivity * c.targets.tbt_ms, p.sensitivity * c.targets.ttft_ms)
+        out.append(Prediction(c.name, tbt_after, limits[0], ttft_after, limits[1]))
+    return out
+
+
+def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel) -> tuple[bool, str]:
+    """Would n-1 replicas, taking n/(n-1) of the load each, keep every class under sensitivity × its SLO?"""
+    predictions = predict_classes(s, p, n, model)
     queued_after = s.waiting / (n - 1)
-    ok = tbt_after <= tbt_limit and ttft_after <= ttft_limit and queued_after <= WAITING_PER_REPLICA
-    text = (
-        f"with {n - 1} replica(s): predicted p90 TBT {tbt_after:.0f}ms (limit {tbt_limit:.0f}), "
-        f"p90 TTFT {ttft_after:.0f}ms (limit {ttft_limit:.0f})"
-    )
-    return ok, text
+    ok = all(c.ok for c in predictions) and queued_after <= WAITING_PER_REPLICA
+    parts = [
+        f"class {c.name} p90 TBT {c.tbt_ms:.0f}ms (limit {c.tbt_limit_ms:.0f}), "
+        f"p90 TTFT {c.ttft_ms:.0f}ms (limit {c.ttft_limit_ms:.0f})"
+        for c in sorted(predictions, key=lambda c: -c.pressure)  # the class closest to its limits first
+    ]
+    if queued_after > WAITING_PER_REPLICA:
+        parts.insert(0, f"{queued_after:.1f} queued per replica (limit {WAITING_PER_REPLICA:g})")
+    return ok, f"with {n - 1} replica(s), predicted: " + ("; ".join(parts) or "no class with enough requests")
 
 
 def _slo_cond(s: WindowStats | None, p: Params) -> Cond:

@@ -1,6 +1,7 @@
 """The autoscaler's window from a Prometheus server instead of scraping the pods.
 
-The same WindowStats as scrape.Window produces, from instant PromQL queries over the window.
+The same WindowStats as scrape.Window produces, from instant PromQL queries over the window
+(verdicts, p90s and targets per SLO class as well as pooled).
 """
 
 from __future__ import annotations
@@ -11,22 +12,26 @@ from typing import Any
 
 import aiohttp
 
-from superinfer.engine.contract import metric
-from superinfer.operator.scrape import WindowStats, slo_shares
+from superinfer.engine.contract import SLO_CLASS_LABEL, SLO_TARGET_GAUGE, metric
+from superinfer.operator.scrape import WindowStats, class_stats, ms, pooled, slo_class, slo_shares
 
 
 def queries(namespace: str, model: str, window_seconds: float) -> dict[str, str]:
     sel = f'namespace="{namespace}", model_name="{model}"'
     w = f"{int(window_seconds)}s"
 
-    def quantile(hist: str) -> str:
-        return f"histogram_quantile(0.9, sum by (le) (rate({metric(hist)}_bucket{{{sel}}}[{w}])))"
+    def quantile(hist: str, by: str = "le") -> str:
+        return f"histogram_quantile(0.9, sum by ({by}) (rate({metric(hist)}_bucket{{{sel}}}[{w}])))"
 
     tbt = metric("time_between_tokens_seconds")
+    per_class = f"{SLO_CLASS_LABEL}, le"
     return {
-        "slo": f"sum by (ttft, tbt) (increase({metric('slo_requests')}_total{{{sel}}}[{w}]))",
+        "slo": f"sum by ({SLO_CLASS_LABEL}, ttft, tbt) (increase({metric('slo_requests')}_total{{{sel}}}[{w}]))",
         "ttft_p90": quantile("time_to_first_token_seconds"),
         "tbt_p90": quantile("time_between_tokens_seconds"),
+        "ttft_p90_class": quantile("time_to_first_token_seconds", per_class),
+        "tbt_p90_class": quantile("time_between_tokens_seconds", per_class),
+        "targets": f"min by ({SLO_CLASS_LABEL}, kind) ({metric(SLO_TARGET_GAUGE)}{{{sel}}})",
         "tbt_mean": f"sum(rate({tbt}_sum{{{sel}}}[{w}])) / sum(rate({tbt}_count{{{sel}}}[{w}]))",
         "pods": f"count({metric('requests_running')}{{{sel}}})",
         "running": f"sum({metric('requests_running')}{{{sel}}})",
@@ -37,11 +42,26 @@ def queries(namespace: str, model: str, window_seconds: float) -> dict[str, str]
     }
 
 
-def _scalar(result: list[Mapping[str, Any]]) -> float | None:
-    if not result:
-        return None
-    value = float(result[0]["value"][1])
+def _value(sample: Mapping[str, Any]) -> float | None:
+    value = float(sample["value"][1])
     return None if value != value else value  # NaN (e.g. 0/0) means no data
+
+
+def _scalar(result: list[Mapping[str, Any]]) -> float | None:
+    return _value(result[0]) if result else None
+
+
+def class_keyed(results: Mapping[str, list[Mapping[str, Any]]]) -> tuple[dict, dict, dict]:
+    """Verdict counts (class, ttft, tbt), p90s and targets (class, ttft|tbt) from the vectors."""
+    slo = {(slo_class(r["metric"]), r["metric"].get("ttft", ""), r["metric"].get("tbt", "")): float(r["value"][1])
+           for r in results.get("slo", [])}  # fmt: skip
+    p90 = {
+        (slo_class(r["metric"]), kind): _value(r)
+        for kind in ("ttft", "tbt")
+        for r in results.get(f"{kind}_p90_class", [])
+    }
+    targets = {(slo_class(r["metric"]), r["metric"].get("kind", "")): _value(r) for r in results.get("targets", [])}
+    return slo, p90, targets
 
 
 def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: float) -> WindowStats | None:
@@ -49,8 +69,8 @@ def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: 
     pods = _scalar(results.get("pods", []))
     if not pods:
         return None
-    slo = {(r["metric"].get("ttft", ""), r["metric"].get("tbt", "")): float(r["value"][1]) for r in results["slo"]}
-    total, both, ttft_only = slo_shares(slo)
+    slo, p90, targets = class_keyed(results)
+    total, both, ttft_only = slo_shares(pooled(slo))
     kv = {r["metric"].get("tier", ""): float(r["value"][1]) for r in results.get("kv", [])}
     ttft, tbt, tbt_mean = (_scalar(results.get(k, [])) for k in ("ttft_p90", "tbt_p90", "tbt_mean"))
     return WindowStats(
@@ -59,15 +79,16 @@ def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: 
         requests=total,
         attainment=both,
         ttft_attainment=ttft_only,
-        ttft_p90_ms=ttft * 1000 if ttft is not None else None,
-        tbt_p90_ms=tbt * 1000 if tbt is not None else None,
-        tbt_mean_ms=tbt_mean * 1000 if tbt_mean is not None else None,
+        ttft_p90_ms=ms(ttft),
+        tbt_p90_ms=ms(tbt),
+        tbt_mean_ms=ms(tbt_mean),
         running=_scalar(results.get("running", [])) or 0.0,
         waiting=_scalar(results.get("waiting", [])) or 0.0,
         rotary=_scalar(results.get("rotary", [])) or 0.0,
         kv_gpu=kv.get("gpu"),
         kv_cpu=kv.get("cpu"),
         swap_gbps=(_scalar(results.get("swap", [])) or 0.0) / 1e9,
+        classes=class_stats(slo, p90, targets),
     )
 
 

@@ -2,6 +2,8 @@
 
 A Snapshot is one scrape of one pod reduced to what the autoscaler needs; a Window keeps each
 pod's snapshots and turns counter and histogram deltas over `window_seconds` into WindowStats.
+SLO verdicts and latency histograms are kept per SLO class (series without the label belong to
+the default class), so each class's p90 can be held against that class's own targets.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from superinfer.engine.contract import metric
+from superinfer.engine.contract import DEFAULT_SLO_CLASS, SLO_CLASS_LABEL, SLO_TARGET_GAUGE, metric
 
 SLO_SERIES = metric("slo_requests") + "_total"
 TTFT_BUCKET = metric("time_to_first_token_seconds") + "_bucket"
@@ -26,15 +29,33 @@ WAITING = metric("requests_waiting")
 ROTARY = metric("requests_rotary")
 KV_USAGE = metric("kv_cache_usage_ratio")
 SWAP_BYTES = metric("kv_swap_bytes") + "_total"
-USED_SERIES = (SLO_SERIES, TTFT_BUCKET, TBT_BUCKET, TBT_SUM, TBT_COUNT, RUNNING, WAITING, ROTARY, KV_USAGE, SWAP_BYTES)
+SLO_TARGET = metric(SLO_TARGET_GAUGE)
+USED_SERIES = (
+    SLO_SERIES,
+    TTFT_BUCKET,
+    TBT_BUCKET,
+    TBT_SUM,
+    TBT_COUNT,
+    RUNNING,
+    WAITING,
+    ROTARY,
+    KV_USAGE,
+    SWAP_BYTES,
+    SLO_TARGET,
+)
+
+
+def slo_class(labels: Mapping[str, str]) -> str:
+    """The SLO class a series belongs to (series without the label: the default class)."""
+    return labels.get(SLO_CLASS_LABEL) or DEFAULT_SLO_CLASS
 
 
 @dataclass(frozen=True)
 class Snapshot:
     time: float
-    slo: Mapping[tuple[str, str], float]  # (ttft, tbt) -> requests (met|missed)
-    ttft_buckets: Mapping[float, float]  # le -> cumulative count
-    tbt_buckets: Mapping[float, float]
+    slo: Mapping[tuple[str, str, str], float]  # (slo_class, ttft, tbt) -> requests (met|missed)
+    ttft_buckets: Mapping[tuple[str, float], float]  # (slo_class, le) -> cumulative count
+    tbt_buckets: Mapping[tuple[str, float], float]
     tbt_sum: float = 0.0
     tbt_count: float = 0.0
     running: float = 0.0
@@ -42,15 +63,17 @@ class Snapshot:
     rotary: float = 0.0
     kv_usage: Mapping[str, float] = field(default_factory=dict)  # tier -> ratio
     swap_bytes: Mapping[str, float] = field(default_factory=dict)  # direction -> bytes
+    targets: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (slo_class, ttft|tbt) -> seconds
 
 
 def parse(text: str, now: float, model_name: str | None = None) -> Snapshot:
     """Reduce one /metrics page (summed over model names unless one is given)."""
-    slo: dict[tuple[str, str], float] = {}
-    ttft: dict[float, float] = {}
-    tbt: dict[float, float] = {}
+    slo: dict[tuple[str, str, str], float] = {}
+    ttft: dict[tuple[str, float], float] = {}
+    tbt: dict[tuple[str, float], float] = {}
     kv: dict[str, float] = {}
     swap: dict[str, float] = {}
+    targets: dict[tuple[str, str], float] = {}
     scalars = {TBT_SUM: 0.0, TBT_COUNT: 0.0, RUNNING: 0.0, WAITING: 0.0, ROTARY: 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -59,14 +82,15 @@ def parse(text: str, now: float, model_name: str | None = None) -> Snapshot:
                 continue
             name, value = sample.name, float(sample.value)
             if name == SLO_SERIES:
-                key = (labels.get("ttft", ""), labels.get("tbt", ""))
+                key = (slo_class(labels), labels.get("ttft", ""), labels.get("tbt", ""))
                 slo[key] = slo.get(key, 0.0) + value
-            elif name == TTFT_BUCKET:
-                le = float(labels["le"])
-                ttft[le] = ttft.get(le, 0.0) + value
-            elif name == TBT_BUCKET:
-                le = float(labels["le"])
-                tbt[le] = tbt.get(le, 0.0) + value
+            elif name in (TTFT_BUCKET, TBT_BUCKET):
+                into = ttft if name == TTFT_BUCKET else tbt
+                bucket = (slo_class(labels), float(labels["le"]))
+                into[bucket] = into.get(bucket, 0.0) + value
+            elif name == SLO_TARGET:
+                target = (slo_class(labels), labels.get("kind", ""))
+                targets[target] = min(value, targets.get(target, math.inf))  # strictest over model names
             elif name == KV_USAGE:
                 kv[labels.get("tier", "gpu")] = value
             elif name == SWAP_BYTES:
@@ -86,6 +110,7 @@ def parse(text: str, now: float, model_name: str | None = None) -> Snapshot:
         rotary=scalars[ROTARY],
         kv_usage=kv,
         swap_bytes=swap,
+        targets=targets,
     )
 
 
@@ -96,6 +121,18 @@ async def fetch(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) 
 
 
 # ---- windows --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassStats:
+    """One SLO class over the window: its verdicts, its latency p90s and its own targets."""
+
+    requests: float  # finished requests of the class with an SLO verdict
+    attainment: float | None
+    ttft_p90_ms: float | None
+    tbt_p90_ms: float | None
+    ttft_target_ms: float | None = None  # as the engine exports it; None when the source has none
+    tbt_target_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +151,7 @@ class WindowStats:
     kv_gpu: float | None  # mean over pods, now
     kv_cpu: float | None
     swap_gbps: float  # both directions, bytes/s / 1e9 over the window
+    classes: Mapping[str, ClassStats] = field(default_factory=dict)  # classes with data in the window
 
 
 def slo_shares(slo: Mapping[tuple[str, str], float]) -> tuple[float, float | None, float | None]:
@@ -124,6 +162,62 @@ def slo_shares(slo: Mapping[tuple[str, str], float]) -> tuple[float, float | Non
         return total, None, None
     both = slo.get(("met", "met"), 0.0)
     return total, both / total, (both + slo.get(("met", "missed"), 0.0)) / total
+
+
+def class_stats(
+    slo: Mapping[tuple[str, str, str], float],
+    p90: Mapping[tuple[str, str], float | None],
+    targets: Mapping[tuple[str, str], float | None],
+) -> dict[str, ClassStats]:
+    """Per-class statistics of the classes with traffic in the window, from verdict counts keyed
+    (class, ttft, tbt), and p90s and targets in seconds keyed (class, ttft|tbt)."""
+    out: dict[str, ClassStats] = {}
+    for name in sorted({c for c, _, _ in slo} | {c for c, _ in p90}):
+        total, both, _ = slo_shares(of_class(slo, name))
+        ttft, tbt = p90.get((name, "ttft")), p90.get((name, "tbt"))
+        if not total and ttft is None and tbt is None:
+            continue
+        out[name] = ClassStats(
+            requests=total,
+            attainment=both,
+            ttft_p90_ms=ms(ttft),
+            tbt_p90_ms=ms(tbt),
+            ttft_target_ms=ms(targets.get((name, "ttft"))),
+            tbt_target_ms=ms(targets.get((name, "tbt"))),
+        )
+    return out
+
+
+def class_p90s(ttft: Mapping[tuple[str, float], float], tbt: Mapping[tuple[str, float], float]) -> dict:
+    """Each class's p90 TTFT and TBT (seconds, keyed (class, ttft|tbt)) from (class, le) buckets."""
+    out: dict[tuple[str, str], float | None] = {}
+    for kind, buckets in (("ttft", ttft), ("tbt", tbt)):
+        for name in {c for c, _ in buckets}:
+            out[name, kind] = histogram_quantile(0.9, of_class(buckets, name))
+    return out
+
+
+def _unclassed(key: tuple) -> Any:
+    """A class-keyed count's key without its class: (class, le) -> le, (class, ttft, tbt) -> (ttft, tbt)."""
+    return key[1] if len(key) == 2 else key[1:]
+
+
+def of_class(counts: Mapping[tuple, float], name: str) -> dict:
+    """One class's counts, keyed without the class."""
+    return {_unclassed(key): value for key, value in counts.items() if key[0] == name}
+
+
+def pooled(counts: Mapping[tuple, float]) -> dict:
+    """Counts summed over every class, keyed without the class."""
+    out: dict = {}
+    for key, value in counts.items():
+        rest = _unclassed(key)
+        out[rest] = out.get(rest, 0.0) + value
+    return out
+
+
+def ms(seconds: float | None) -> float | None:
+    return seconds * 1000 if seconds is not None else None
 
 
 def _delta(new: Mapping, old: Mapping) -> dict:
@@ -203,6 +297,7 @@ class Window:
         running = waiting = rotary = 0.0
         kv_gpu: list[float] = []
         kv_cpu: list[float] = []
+        targets: dict[tuple[str, str], float] = {}
         pods = 0
         for queue in self.series.values():
             if not queue or now - queue[-1].time > fresh_seconds:
@@ -226,19 +321,19 @@ class Window:
                 kv_gpu.append(last.kv_usage["gpu"])
             if "cpu" in last.kv_usage:
                 kv_cpu.append(last.kv_usage["cpu"])
+            for key, seconds in last.targets.items():  # pods mid-rollout may differ: the strictest
+                targets[key] = min(seconds, targets.get(key, math.inf))
         if pods == 0:
             return None
-        total, both, ttft_only = slo_shares(slo)
-        p90_ttft = histogram_quantile(0.9, ttft)
-        p90_tbt = histogram_quantile(0.9, tbt)
+        total, both, ttft_only = slo_shares(pooled(slo))
         return WindowStats(
             pods=pods,
             span_seconds=span,
             requests=total,
             attainment=both,
             ttft_attainment=ttft_only,
-            ttft_p90_ms=p90_ttft * 1000 if p90_ttft is not None else None,
-            tbt_p90_ms=p90_tbt * 1000 if p90_tbt is not None else None,
+            ttft_p90_ms=ms(histogram_quantile(0.9, pooled(ttft))),
+            tbt_p90_ms=ms(histogram_quantile(0.9, pooled(tbt))),
             tbt_mean_ms=tbt_sum / tbt_count * 1000 if tbt_count else None,
             running=running,
             waiting=waiting,
@@ -246,4 +341,5 @@ class Window:
             kv_gpu=sum(kv_gpu) / len(kv_gpu) if kv_gpu else None,
             kv_cpu=sum(kv_cpu) / len(kv_cpu) if kv_cpu else None,
             swap_gbps=swap / 1e9,
+            classes=class_stats(slo, class_p90s(ttft, tbt), targets),
         )

@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 
 from superinfer.engine.contract import metric
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.autoscale import tick
+from superinfer.operator.api import InferenceServiceSpec, SLOClassSpec, SLOStatus
+from superinfer.operator.autoscale import record, tick
 from superinfer.operator.autoscaler import Memory, Observation, Params, decide, scale_up_target
 from superinfer.operator.kube import Kube
 from superinfer.operator.latency import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
-from superinfer.operator.scrape import Window, WindowStats, histogram_quantile, parse
-from superinfer.operator.state import Config, State
+from superinfer.operator.scrape import ClassStats, Window, WindowStats, histogram_quantile, parse, pooled
+from superinfer.operator.state import Config, Scaler, State
 
 SPEC = InferenceServiceSpec.model_validate(
     {
@@ -158,6 +158,81 @@ def test_two_to_one_consolidation_check_prevents_flapping():
     assert (d.action, d.target) == ("ScaleDown", 1)
 
 
+# ---- SLO classes ---------------------------------------------------------------------------
+# SPEC sets no classes, so the engine's built-ins apply: interactive 500/100 ms, batch 30000/1000 ms,
+# and default = slo.ttftMs/tbtMs (1000/100 ms).
+
+
+def two_classes(interactive: ClassStats, batch: ClassStats, **kw) -> WindowStats:
+    """A window of interactive and batch traffic whose pooled p90s are batch's (most requests)."""
+    pooled_ttft = max(interactive.ttft_p90_ms or 0, batch.ttft_p90_ms or 0)
+    pooled_tbt = max(interactive.tbt_p90_ms or 0, batch.tbt_p90_ms or 0)
+    return stats(requests=interactive.requests + batch.requests, ttft_p90_ms=pooled_ttft, tbt_p90_ms=pooled_tbt,
+                 classes={"interactive": interactive, "batch": batch}, **kw)  # fmt: skip
+
+
+FAST = ClassStats(requests=40, attainment=1.0, ttft_p90_ms=200, tbt_p90_ms=40)
+SLOW_BATCH = ClassStats(requests=160, attainment=1.0, ttft_p90_ms=12000, tbt_p90_ms=250)  # within 30 s / 1 s
+
+
+def test_a_slow_class_within_its_own_slo_is_no_distress():
+    s = two_classes(FAST, SLOW_BATCH)
+    d = decide(obs(2, s=s), P, WARM)
+    assert (d.action, d.reason) == ("Hold", "Stabilizing")
+    # The same window judged as one pooled class against slo.ttftMs would scale up for nothing.
+    pooled_only = replace(s, classes={})
+    assert decide(obs(2, s=pooled_only), P, WARM).action == "ScaleUp"
+
+
+def test_a_class_over_its_own_target_scales_up_and_is_named():
+    late = replace(FAST, ttft_p90_ms=900)  # under slo.ttftMs (1000) but over interactive's 500
+    d = decide(obs(2, s=two_classes(late, SLOW_BATCH)), P, WARM)
+    assert (d.action, d.reason, d.target) == ("ScaleUp", "SLODistress", 4)  # 1.8x over: 2 -> 4
+    assert d.message.startswith("p90 TTFT 900ms > 500ms (class interactive)")
+    assert "batch" not in d.message
+    # The worst class drives the step and comes first in the message.
+    choppy = replace(SLOW_BATCH, tbt_p90_ms=1300)
+    d = decide(obs(4, s=two_classes(late, choppy)), P, WARM)
+    assert d.target == 6 and d.message.startswith("p90 TTFT 900ms > 500ms (class interactive); p90 TBT 1300ms")
+
+
+def test_targets_come_from_the_engine_then_the_spec_then_the_default_class():
+    exported = replace(FAST, ttft_p90_ms=900, ttft_target_ms=1200, tbt_target_ms=100)  # the engine says 1200
+    assert decide(obs(2, s=two_classes(exported, SLOW_BATCH)), P, WARM).action == "Hold"
+    custom = Params.from_spec(SPEC.model_copy(update={"slo": SPEC.slo.model_copy(
+        update={"classes": {"chat": SLOClassSpec(ttft_ms=300, tbt_ms=50)}})}))  # fmt: skip
+    chat = replace(FAST, ttft_p90_ms=400)
+    d = decide(obs(2, s=stats(classes={"chat": chat})), custom, WARM)
+    assert d.action == "ScaleUp" and "p90 TTFT 400ms > 300ms (class chat)" in d.message
+    # A class neither the engine nor the spec knows is held to the default class's targets.
+    d = decide(obs(2, s=stats(classes={"other": replace(FAST, ttft_p90_ms=1100)})), custom, WARM)
+    assert "p90 TTFT 1100ms > 1000ms (class other)" in d.message
+
+
+def test_a_class_with_too_few_requests_is_not_judged_on_its_p90():
+    thin = ClassStats(requests=P.min_requests - 1, attainment=0.9, ttft_p90_ms=3000, tbt_p90_ms=40)
+    assert decide(obs(2, s=two_classes(thin, SLOW_BATCH)), P, WARM).action == "Hold"
+
+
+def test_consolidation_holds_each_class_to_its_own_targets():
+    healthy_long = replace(WARM, healthy_since=T0 - 1000)
+    # Light load; batch answers in 900 ms: under its 0.8 x 30 s, though over 0.8 x slo.ttftMs (1000 ms).
+    brisk_batch = replace(SLOW_BATCH, ttft_p90_ms=900, tbt_p90_ms=60)
+    light = two_classes(FAST, brisk_batch, running=4, tbt_mean_ms=40)
+    d = decide(obs(2, s=light), P, healthy_long)
+    assert (d.action, d.target) == ("ScaleDown", 1)
+    assert "class batch" in d.message and "limit 24000" in d.message
+    # Pooled and held to slo.ttftMs, the same window would refuse to consolidate.
+    d = decide(obs(2, s=replace(light, classes={})), P, healthy_long)
+    assert d.reason == "ConsolidationUnsafe"
+    # Interactive near its 500 ms: the survivors' queueing would push it past 0.8 x 500 ms.
+    edgy = replace(FAST, ttft_p90_ms=380)
+    d = decide(obs(2, s=two_classes(edgy, brisk_batch, running=40, tbt_mean_ms=40)), P, healthy_long)
+    assert (d.action, d.reason) == ("Hold", "ConsolidationUnsafe")
+    assert d.message.startswith("with 1 replica(s), predicted: class interactive p90 TBT")
+    assert "(limit 400)" in d.message.split(";")[0]
+
+
 def plant(replicas: int, load: float) -> WindowStats:
     """A toy serving system: `load` concurrent sequences spread over replicas; TBT grows with batch."""
     batch = load / replicas
@@ -243,8 +318,9 @@ def page(met: float, missed: float, ttft_le: dict[float, float], running: float 
 
 def test_parse_reads_the_contract_names():
     snap = parse(page(10, 2, {0.1: 4, 1.0: 12, math.inf: 12}), now=5.0)
-    assert snap.slo == {("met", "met"): 10, ("missed", "met"): 2}
-    assert snap.ttft_buckets[1.0] == 12 and snap.running == 3 and snap.kv_usage == {"gpu": 0.7}
+    assert pooled(snap.slo) == {("met", "met"): 10, ("missed", "met"): 2}
+    assert snap.slo[("interactive", "met", "met")] == 2.5
+    assert pooled(snap.ttft_buckets)[1.0] == 12 and snap.running == 3 and snap.kv_usage == {"gpu": 0.7}
     assert parse(page(10, 2, {}), now=0, model_name="other").slo == {}
 
 
@@ -278,6 +354,69 @@ def test_window_drops_old_snapshots_and_stale_pods():
     assert w.stats(now=400, fresh_seconds=30) is None  # nothing fresh: the caller holds
     w.forget_missing([])
     assert w.series == {}
+
+
+def class_page(classes: dict[str, tuple[float, dict[float, float], tuple[float, float]]], model: str = "m") -> str:
+    """A page whose classes each have (requests all met, TTFT buckets, (ttft, tbt) targets in seconds)."""
+    slo, ttft, target = metric("slo_requests"), metric("time_to_first_token_seconds"), metric("slo_target_seconds")
+    lines = [f"# TYPE {slo}_total counter"]
+    lines += [f'{slo}_total{{model_name="{model}",ttft="met",tbt="met",slo_class="{c}"}} {n}'
+              for c, (n, _, _) in classes.items()]  # fmt: skip
+    lines.append(f"# TYPE {ttft} histogram")
+    for c, (_, buckets, _) in classes.items():
+        for le, count in buckets.items():
+            le_text = "+Inf" if math.isinf(le) else str(le)
+            lines.append(f'{ttft}_bucket{{model_name="{model}",slo_class="{c}",le="{le_text}"}} {count}')
+    lines.append(f"# TYPE {target} gauge")
+    for c, (_, _, (t_ttft, t_tbt)) in classes.items():
+        lines.append(f'{target}{{model_name="{model}",kind="ttft",slo_class="{c}"}} {t_ttft}')
+        lines.append(f'{target}{{model_name="{model}",kind="tbt",slo_class="{c}"}} {t_tbt}')
+    return "\n".join(lines) + "\n"
+
+
+BATCH_BUCKETS = {1.0: 0, 10.0: 5, 30.0: 100, math.inf: 100}  # slow: p90 between 10 and 30 s
+QUICK_BUCKETS = {0.1: 80, 0.5: 100, 1.0: 100, math.inf: 100}
+
+
+def test_parse_keeps_classes_and_their_targets():
+    snap = parse(
+        class_page({"batch": (100, BATCH_BUCKETS, (30, 1)), "interactive": (100, QUICK_BUCKETS, (0.5, 0.1))}), 0
+    )
+    assert snap.targets == {("batch", "ttft"): 30, ("batch", "tbt"): 1, ("interactive", "ttft"): 0.5,
+                            ("interactive", "tbt"): 0.1}  # fmt: skip
+    assert snap.ttft_buckets[("batch", 10.0)] == 5 and snap.ttft_buckets[("interactive", 0.1)] == 80
+    # Series without the label (an engine from before classes) belong to the default class.
+    unlabelled = page(10, 2, {1.0: 12, math.inf: 12}).replace(',slo_class="interactive"', "")
+    unlabelled = unlabelled.replace(',slo_class="default"', "")
+    assert {c for c, _, _ in parse(unlabelled, 0).slo} == {"default"}
+
+
+def test_window_gives_each_class_its_p90_and_targets():
+    w = Window(seconds=60)
+    for pod, ttft_target in (("a", 0.5), ("b", 0.4)):  # b already runs a stricter interactive class
+        w.add(pod, parse(class_page({"interactive": (0, {0.1: 0, math.inf: 0}, (ttft_target, 0.1))}), now=0))
+        grown = {"batch": (100, BATCH_BUCKETS, (30, 1)), "interactive": (100, QUICK_BUCKETS, (ttft_target, 0.1))}
+        w.add(pod, parse(class_page(grown), now=30))
+    s = w.stats(now=31, fresh_seconds=10)
+    assert s.requests == 400 and set(s.classes) == {"batch", "interactive"}
+    batch, quick = s.classes["batch"], s.classes["interactive"]
+    assert batch.requests == 200 and 10_000 < batch.ttft_p90_ms < 30_000 and batch.ttft_target_ms == 30_000
+    assert quick.ttft_p90_ms == pytest.approx(300) and quick.ttft_target_ms == pytest.approx(400)  # strictest pod
+    assert s.ttft_p90_ms > 10_000  # pooled over both classes: batch's
+    # Batch within its 30 s and interactive within 400 ms: nothing to scale for.
+    d = decide(obs(2, s=replace(s, pods=2)), P, WARM)
+    assert d.action == "Hold", d.message
+
+
+def test_status_lists_each_class_beside_the_targets_it_is_held_to():
+    scaler = Scaler(memory=WARM, window=Window(seconds=120))
+    s = two_classes(replace(FAST, ttft_target_ms=450), SLOW_BATCH)
+    record(scaler, decide(obs(2, s=s), P, WARM), T0, 2, s, P)
+    status = SLOStatus.model_validate(scaler.slo_status)  # what the CRD's status schema accepts
+    assert status.ttft_ms == 12000 and status.classes is not None
+    by_name = {c.name: c for c in status.classes}
+    assert (by_name["interactive"].ttft_ms, by_name["interactive"].ttft_target_ms) == (200, 450)  # the engine's
+    assert (by_name["batch"].ttft_ms, by_name["batch"].ttft_target_ms, by_name["batch"].requests) == (12000, 30000, 160)
 
 
 async def test_tick_leaves_an_invalid_service_alone():

@@ -187,6 +187,9 @@ async def test_autoscaler_adds_a_replica_for_real_engines_under_load(running):
         assert metrics["status"] == "True"
         status = running.isvc(NAME)["status"]
         assert status["slo"]["requests"] > 0 and status["slo"]["attainment"] < SPEC["slo"]["attainmentTarget"]
+        # Requests without a class: held to the target the engines export for `default` (slo.ttftMs).
+        (default,) = status["slo"]["classes"]
+        assert (default["name"], default["ttftTargetMs"], default["tbtTargetMs"]) == ("default", 300, 100)
         assert running.state.metrics.desired_replicas.labels("default", NAME)._value.get() == 2
     finally:
         stop.set()
