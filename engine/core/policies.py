@@ -5,7 +5,9 @@ CPU tier and in what order non-running requests are admitted. The scheduler exec
   running request is preempted by recompute. Never rotates.
 - `rotary`: RotaSched (SuperInfer, arXiv 2601.20309). Requests are ranked by Virtual Lag Time
   against their SLOs, Largest-VLT-First; under contention, long-running decodes are rotated to
-  CPU memory so requests close to violating an SLO get GPU memory first.
+  CPU memory so requests close to violating an SLO get GPU memory first. SLO-aware admission
+  (`tbt_guard`) keeps that within what the measured step time allows: new requests wait rather
+  than push streaming ones past their TBT SLO, and residency on the GPU is as long as it may be.
 - `watermark`: the reference code's behaviour, as an ablation: oldest-waiting-first admission,
   and the oldest running decodes rotated out whenever free blocks fall under a watermark.
 """
