@@ -46,12 +46,20 @@ def versions() -> dict[str, str]:
 
 
 def write_result(
-    bench: str, device: str, figures: dict[str, Any], goal: dict[str, Any], extra: dict[str, Any] | None = None
+    bench: str,
+    device: str,
+    figures: dict[str, Any],
+    goal: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    tag: str = "",
 ) -> Path:
+    """Write bench/results/<bench>[-<tag>]-<device>-<date>.json (a tag names a variant run)."""
     name = device_name(device)
     record = {
         "bench": bench,
-        "command": " ".join(["python", "-m", *sys.argv]) if sys.argv[0].endswith(".py") else " ".join(sys.argv),
+        "command": " ".join(["python", "-m", f"bench.{Path(sys.argv[0]).stem}", *sys.argv[1:]])
+        if sys.argv[0].endswith(".py")
+        else " ".join(sys.argv),
         "commit": commit(),
         "device": name,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -62,6 +70,6 @@ def write_result(
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     slug = name.lower().replace(" ", "-")
-    path = RESULTS / f"{bench}-{slug}-{dt.date.today().isoformat()}.json"
+    path = RESULTS / f"{'-'.join(filter(None, (bench, tag, slug)))}-{dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path

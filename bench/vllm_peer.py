@@ -179,6 +179,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ready-timeout-s", type=float, default=420.0)
     parser.add_argument("--load-timeout-s", type=float, default=600.0)
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
+    parser.add_argument("--tag", default="", help="names a variant run's results file (vllm_peer-TAG-cpu-DATE.json)")
     parser.add_argument("--no-record", action="store_true", help="do not write bench/results JSON")
     args = parser.parse_args(argv)
     args.runs = args.runs or (1 if args.quick else 3)
@@ -234,7 +235,7 @@ async def main_async(args: argparse.Namespace) -> Results:
             },
             "table_markdown": markdown(results, names),
         }
-        out = write_result("vllm_peer", args.device, figures_, goal, extra)
+        out = write_result("vllm_peer", args.device, figures_, goal, extra, tag=args.tag)
         console.print(f"wrote {out}")
     return results
 
