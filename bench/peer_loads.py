@@ -117,7 +117,7 @@ def figures(
     `rotations` is None for a server that has no rotary scheduler (vLLM).
     """
     every = summarize(timings, duration_s)
-    out = {"output_tok_s": every["throughput_tok_s"], "preemptions": preemptions}
+    out = {"output_tok_s": every["throughput_tok_s"], "preemptions": preemptions, "failed": every["failed"]}
     if load in ("batch1", "saturation"):
         out |= {
             "tpot_p50_ms": every["tpot_p50_ms"],

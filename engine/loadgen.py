@@ -83,7 +83,11 @@ async def run_load(
 
     async def one(session: aiohttp.ClientSession, req: LoadRequest) -> RequestTiming:
         await asyncio.sleep(max(0.0, start + req.delay_s - time.monotonic()))
-        return await stream_completion(session, base_url, model, req, extra_body)
+        sent = time.monotonic()
+        try:
+            return await stream_completion(session, base_url, model, req, extra_body)
+        except (aiohttp.ClientError, RuntimeError) as exc:  # one failed request, not a failed run
+            return RequestTiming(sent, (), req.slo, error=f"{type(exc).__name__}: {exc}")
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:

@@ -54,6 +54,7 @@ class RequestTiming:
     arrival: float
     token_times: tuple[float, ...]
     slo: SLO = SLO()
+    error: str | None = None  # why the request failed (HTTP error, dropped connection): it met no SLO
 
     @property
     def ttft(self) -> float | None:
@@ -72,7 +73,7 @@ class RequestTiming:
 
     @property
     def ttft_met(self) -> bool:
-        return meets_ttft(self.ttft, self.slo)
+        return self.error is None and meets_ttft(self.ttft, self.slo)
 
     @property
     def tbt_met(self) -> bool:
@@ -115,6 +116,7 @@ def summarize(timings: Sequence[RequestTiming], duration_s: float | None = None)
 
     out = {
         "requests": float(n),
+        "failed": float(sum(t.error is not None for t in timings)),
         "output_tokens": float(sum(len(t.token_times) for t in timings)),
         "ttft_attainment": share(sum(t.ttft_met for t in timings)),
         "tbt_attainment": share(sum(t.tbt_met for t in timings)),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import socket
 
 import pytest
 
+from superinfer.engine.loadgen import LoadRequest, run_load
 from superinfer.engine.slo import SLO, RequestTiming, p99_gap, summarize
 
 SLO_ = SLO(ttft_ms=500, tbt_ms=100)
@@ -46,3 +48,15 @@ def test_no_requests_gives_nan_shares():
     report = summarize([])
     assert math.isnan(report["goodput_share"]) and math.isnan(report["ttft_attainment"])
     assert "goodput_rps" not in report
+
+
+async def test_a_failed_request_counts_as_failed_and_meets_no_slo():
+    with socket.socket() as s:  # a port nobody listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    timings, _ = await run_load(f"http://127.0.0.1:{port}", "m", [LoadRequest("hi", 4, SLO_)])
+    (failed,) = timings
+    assert failed.error is not None and failed.token_times == ()
+    report = summarize([failed, timing(0.0, 0.1, 0.15)])
+    assert report["failed"] == 1 and report["requests"] == 2
+    assert report["ttft_attainment"] == 0.5 and report["goodput_share"] == 0.5
