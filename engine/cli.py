@@ -50,7 +50,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
 # The demo's scenario: a KV budget small enough that long decodes exhaust it (any flag overrides).
 DEMO_DEFAULTS = {
     "port": 0,
-    "max_model_len": 512,
+    "max_model_len": 1024,
+    "block_size": 32,
     "num_gpu_blocks": 48,
     "num_cpu_blocks": 2000,
     "ttft_slo_ms": 1000.0,
