@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -81,8 +81,6 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, d
 @dataclass
 class _Live:
     stream: TextStream
-    t_last: float | None = None
-    gaps: list[float] = field(default_factory=list)  # seconds between its output tokens
 
 
 class EngineCore:
@@ -220,8 +218,8 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         req = self.scheduler.abort(request_id)
         if req is not None:
-            live = self._live.pop(request_id, None)
-            self.metrics.on_finish(req, self.clock(), live.gaps if live else [])
+            self._live.pop(request_id, None)
+            self.metrics.on_finish(req, self.clock())
             self.metrics.on_state(self.scheduler, self.kv)
 
     @property
@@ -265,10 +263,7 @@ class EngineCore:
         outputs = []
         for req in touched:
             live = self._live[req.request_id]
-            gap = None if live.t_last is None else now - live.t_last
-            if gap is not None:
-                live.gaps.append(gap)
-            live.t_last = now
+            gap = req.token_gaps[-1] if req.num_output_tokens > 1 else None
             live.stream.feed(req.output_token_ids[-1], last=req.is_finished)
             if live.stream.stopped:  # a stop string matched (also on the very last token)
                 if req.is_finished:
@@ -278,7 +273,7 @@ class EngineCore:
             self.metrics.on_token(req, gap)
             if req.is_finished:
                 del self._live[req.request_id]
-                self.metrics.on_finish(req, now, live.gaps)
+                self.metrics.on_finish(req, now)
             lp = result.logprobs.get(req.request_id)
             outputs.append(
                 RequestOutput(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -189,8 +189,8 @@ class EngineMetrics:
             self._child(self.tbt, req.slo_class).observe(gap_s)
             self._compat("itl", "observe", gap_s)
 
-    def on_finish(self, req: Request, now: float, gaps: Sequence[float]) -> None:
-        """A request ended; `gaps` are the seconds between its output tokens (its TBT judgement)."""
+    def on_finish(self, req: Request, now: float) -> None:
+        """A request ended: its latency, and its SLO verdict (TBT by the p99 of its token gaps)."""
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         self._c("requests_finished", reason).inc()
         self._child(self.e2e).observe(now - req.arrival_time)
@@ -198,7 +198,7 @@ class EngineMetrics:
         if req.t_first_token is None:
             return  # aborted before its first token: no latency to judge
         ttft_met = meets_ttft(req.t_first_token - req.arrival_time, req.slo)
-        tbt_met = meets_tbt(p99_gap(gaps), req.slo)
+        tbt_met = meets_tbt(p99_gap(req.token_gaps), req.slo)
         verdict = ("met" if ttft_met else "missed", "met" if tbt_met else "missed")
         self._c("slo_requests", *verdict, req.slo_class).inc()
 

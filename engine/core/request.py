@@ -80,7 +80,8 @@ class Request:
     t_first_token: float | None = None
     t_last_token: float | None = None
     t_run: float | None = None  # last time it entered RUNNING
-    max_gap_s: float = 0.0  # longest wait between two of its output tokens so far
+    token_gaps: list[float] = field(default_factory=list)  # seconds between its output tokens
+    max_gap_s: float = 0.0  # the longest of them (checked every step, so kept, not recomputed)
     t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
 
     def __post_init__(self) -> None:

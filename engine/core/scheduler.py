@@ -278,7 +278,9 @@ class Scheduler:
             if req.t_first_token is None:
                 req.t_first_token = now
             else:
-                req.max_gap_s = max(req.max_gap_s, now - req.t_last_token)
+                gap = now - req.t_last_token
+                req.token_gaps.append(gap)
+                req.max_gap_s = max(req.max_gap_s, gap)
             req.t_last_token = now
             reason = req.stop_reason(self.config.max_model_len)
             if reason is not None:
