@@ -263,14 +263,13 @@ class EngineCore:
         outputs = []
         for req in touched:
             live = self._live[req.request_id]
-            gap = req.token_gaps[-1] if req.num_output_tokens > 1 else None
             live.stream.feed(req.output_token_ids[-1], last=req.is_finished)
             if live.stream.stopped:  # a stop string matched (also on the very last token)
                 if req.is_finished:
                     req.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(req.request_id, FinishReason.STOP)
-            self.metrics.on_token(req, gap)
+            self.metrics.on_token(req)
             if req.is_finished:
                 del self._live[req.request_id]
                 self.metrics.on_finish(req, now)

@@ -174,11 +174,11 @@ class EngineMetrics:
         self._compat("waiting", "set", sched.num_waiting)
         self._compat("kv", "set", kv.usage)
 
-    def on_token(self, req: Request, gap_s: float | None) -> None:
-        """A request emitted a token; gap_s is the time since its previous token (None for the first)."""
+    def on_token(self, req: Request) -> None:
+        """A request emitted a token: its first (TTFT) or one more gap between tokens."""
         self._c("generation_tokens").inc()
         self._compat("generation", "inc", 1)
-        if gap_s is None:
+        if not req.token_gaps:
             ttft = req.t_first_token - req.arrival_time
             self._child(self.ttft, req.slo_class).observe(ttft)
             self._compat("ttft", "observe", ttft)
@@ -186,8 +186,8 @@ class EngineMetrics:
             self._c("prompt_tokens").inc(req.num_prompt_tokens)
             self._compat("prompt", "inc", req.num_prompt_tokens)
         else:
-            self._child(self.tbt, req.slo_class).observe(gap_s)
-            self._compat("itl", "observe", gap_s)
+            self._child(self.tbt, req.slo_class).observe(req.token_gaps[-1])
+            self._compat("itl", "observe", req.token_gaps[-1])
 
     def on_finish(self, req: Request, now: float) -> None:
         """A request ended: its latency, and its SLO verdict (TBT by the p99 of its token gaps)."""
