@@ -22,6 +22,7 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY kernels kernels
 COPY operator operator
+COPY bench bench
 RUN pip install ".[operator]" \
  && python -c "import superinfer.engine.cli, superinfer.operator.main"
 

@@ -18,9 +18,9 @@ import random
 
 import torch
 
-from bench.record import write_result
-from superinfer.engine.duplex import copy_blocks
+from superinfer.bench.record import write_result
 from superinfer.engine.model.loader import preset_config
+from superinfer.engine.worker.duplex import copy_blocks
 
 BLOCK_TOKENS = 16
 

@@ -15,8 +15,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from superinfer.engine.slo import SLO, RequestTiming, percentile, summarize
-from superinfer.engine.workload import RequestClass, WorkItem, burst_workload, mixed_workload
+from superinfer.bench.goodput import RequestTiming, summarize
+from superinfer.bench.workload import RequestClass, WorkItem, burst_workload, mixed_workload
+from superinfer.engine.slo import SLO, percentile
 
 HOL_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)
 INTERACTIVE = RequestClass("interactive", 0.7, SLO(ttft_ms=500.0, tbt_ms=100.0), prompt_median=48, output_median=64)

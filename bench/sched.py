@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from bench.record import write_result
+from superinfer.bench.record import write_result
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import Request, SamplingParams

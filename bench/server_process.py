@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.peer_settings import ServerCommand
+from superinfer.bench.peer_settings import ServerCommand
 from superinfer.engine.contract import HEALTH_PATH, MODELS_PATH
 
 READY_PATHS = (HEALTH_PATH, MODELS_PATH)  # vLLM and ours answer both once serving

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.record import write_result
+from superinfer.bench.goodput import summarize
+from superinfer.bench.record import write_result
+from superinfer.bench.replay import StepCost, VirtualClock, replay
+from superinfer.bench.workload import load_trace, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.replay import StepCost, VirtualClock, replay
-from superinfer.engine.slo import SLO, summarize
-from superinfer.engine.workload import load_trace, poisson_workload, prompt_tokens
+from superinfer.engine.slo import SLO
 
 
 def run_point(args: argparse.Namespace, policy: str, rate: float) -> dict[str, float]:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.record import write_result
+from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore

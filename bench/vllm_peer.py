@@ -35,15 +35,15 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from bench.peer_loads import CLASSES, HOL_SLO, LOADS, SEQUENTIAL, LoadShape, figures, items
-from bench.peer_settings import Contender, Matched, command, request_body
-from bench.peer_table import Results, markdown, rich_table, spreads, versus_vllm
-from bench.record import write_result
-from bench.server_process import Launch, free_port, serving
+from superinfer.bench.goodput import RequestTiming
+from superinfer.bench.loadgen import LoadRequest, run_load, stream_completion
+from superinfer.bench.peer_loads import CLASSES, HOL_SLO, LOADS, SEQUENTIAL, LoadShape, figures, items
+from superinfer.bench.peer_settings import Contender, Matched, command, request_body
+from superinfer.bench.peer_table import Results, markdown, rich_table, spreads, versus_vllm
+from superinfer.bench.record import write_result
+from superinfer.bench.server_process import Launch, free_port, serving
+from superinfer.bench.workload import WorkItem, prompt_tokens
 from superinfer.engine.contract import BUILTIN_SLO_CLASSES, METRICS_PATH
-from superinfer.engine.loadgen import LoadRequest, run_load, stream_completion
-from superinfer.engine.slo import RequestTiming
-from superinfer.engine.workload import WorkItem, prompt_tokens
 
 PHASES = {"ample": ("batch1", "saturation"), "tight": ("hol", "poisson")}
 DEFAULT_CONTENDERS = "vllm@1,fcfs@1,rotary@1"  # each at its default threads on 2 cores

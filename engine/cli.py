@@ -94,11 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             asyncio.run(serve(engine_config(args)))
         elif args.command == "bench":
-            from superinfer.engine.bench import run_bench
+            from superinfer.bench.endpoint import run_bench
 
             asyncio.run(run_bench(args))
         elif args.command == "demo":
-            from superinfer.engine.demo import run_demo
+            from superinfer.bench.demo import run_demo
 
             config = engine_config(args, **DEMO_DEFAULTS)
             asyncio.run(run_demo(config, args.policies.split(","), args.plot))

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from superinfer.engine.attention import allocate_kv_cache
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.kv import KVCacheManager
@@ -31,9 +30,10 @@ from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
 from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.output import RequestOutput, TextStream
-from superinfer.engine.runner import ModelRunner, StepOutput, SubmittedStep, torch_threads
 from superinfer.engine.slo import SLO
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from superinfer.engine.worker.attention import allocate_kv_cache
+from superinfer.engine.worker.runner import ModelRunner, StepOutput, SubmittedStep, torch_threads
 
 log = logging.getLogger("superinfer.engine")
 

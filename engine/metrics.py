@@ -14,7 +14,7 @@ from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
 from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, p99_gap
 
 if TYPE_CHECKING:
-    from superinfer.engine.duplex import CopyStats
+    from superinfer.engine.worker.duplex import CopyStats
 
 LATENCY_BUCKETS = (
     0.005,

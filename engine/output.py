@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from superinfer.engine.runner import TokenLogprob
 from superinfer.engine.tokenizer import IncrementalDetokenizer
+from superinfer.engine.worker.runner import TokenLogprob
 
 
 @dataclass

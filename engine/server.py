@@ -24,10 +24,10 @@ from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import AsyncEngine, EngineCore, EngineDeadError
 from superinfer.engine.output import RequestOutput
 from superinfer.engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from superinfer.engine.runner import TokenLogprob
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
 from superinfer.engine.tokenizer import Tokenizer
+from superinfer.engine.worker.runner import TokenLogprob
 
 log = logging.getLogger("superinfer.server")
 

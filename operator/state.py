@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from superinfer.engine import contract
 from superinfer.operator import names
-from superinfer.operator.autoscaler import Memory
 from superinfer.operator.conditions import Cond
 from superinfer.operator.kube import Kube, Login
 from superinfer.operator.latency import LatencyModel
 from superinfer.operator.metrics import OperatorMetrics
+from superinfer.operator.scaling_decision import Memory
 from superinfer.operator.scrape import Window
 
 

@@ -7,7 +7,13 @@ import random
 import pytest
 import torch
 
-from superinfer.engine.attention import AttentionGroup, PagedAttention, SeqSpan, allocate_kv_cache, plan_attention
+from superinfer.engine.worker.attention import (
+    AttentionGroup,
+    PagedAttention,
+    SeqSpan,
+    allocate_kv_cache,
+    plan_attention,
+)
 
 LAYERS, KV_HEADS, HEADS, DIM = 2, 2, 4, 16
 

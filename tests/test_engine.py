@@ -184,7 +184,7 @@ def test_gauges_tell_the_truth_when_the_engine_goes_idle(async_scheduling):
 
 
 def test_top_p_applies_to_the_renormalised_top_k_set():
-    from superinfer.engine.sampling import _truncate
+    from superinfer.engine.worker.sampling import _truncate
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     kept = _truncate(logits, torch.tensor([2]), torch.tensor([0.6])).isfinite()

@@ -9,7 +9,7 @@ import torch
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.runner import torch_threads
+from superinfer.engine.worker.runner import torch_threads
 
 
 def test_torch_threads_default_leaves_a_core(monkeypatch: pytest.MonkeyPatch) -> None:

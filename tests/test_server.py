@@ -13,8 +13,8 @@ import pytest
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
-from superinfer.engine.runner import SubmittedStep
 from superinfer.engine.server import RunningServer, start_server
+from superinfer.engine.worker.runner import SubmittedStep
 
 MODEL = "tiny-test"
 

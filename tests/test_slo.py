@@ -7,8 +7,9 @@ import socket
 
 import pytest
 
-from superinfer.engine.loadgen import LoadRequest, run_load
-from superinfer.engine.slo import SLO, RequestTiming, p99_gap, summarize
+from superinfer.bench.goodput import RequestTiming, summarize
+from superinfer.bench.loadgen import LoadRequest, run_load
+from superinfer.engine.slo import SLO, p99_gap
 
 SLO_ = SLO(ttft_ms=500, tbt_ms=100)
 

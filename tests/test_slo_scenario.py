@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from superinfer.bench.goodput import summarize
+from superinfer.bench.replay import StepCost, VirtualClock, replay
+from superinfer.bench.workload import burst_workload, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.replay import StepCost, VirtualClock, replay
-from superinfer.engine.slo import SLO, summarize
-from superinfer.engine.workload import burst_workload, poisson_workload, prompt_tokens
+from superinfer.engine.slo import SLO
 
 SLO_TARGETS = SLO(ttft_ms=1000, tbt_ms=100)
 

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import server_process
-from bench.peer_loads import CLASSES, LoadShape, figures, items
-from bench.peer_settings import (
+from superinfer.bench import server_process
+from superinfer.bench.goodput import RequestTiming
+from superinfer.bench.loadgen import chunk_tokens
+from superinfer.bench.peer_loads import CLASSES, LoadShape, figures, items
+from superinfer.bench.peer_settings import (
     Contender,
     Matched,
     ServerCommand,
@@ -22,13 +24,12 @@ from bench.peer_settings import (
     superinfer_command,
     vllm_command,
 )
-from bench.peer_table import cell, markdown, rows, spread, versus_vllm
-from bench.server_process import Launch, free_port, serving
-from bench.vllm_peer import load_seed, measure, parse_counters
-from superinfer.engine.loadgen import chunk_tokens
+from superinfer.bench.peer_table import cell, markdown, rows, spread, versus_vllm
+from superinfer.bench.server_process import Launch, free_port, serving
+from superinfer.bench.vllm_peer import load_seed, measure, parse_counters
+from superinfer.bench.workload import RequestClass, burst_workload, mixed_workload
 from superinfer.engine.model.tiny import ensure_tiny_model
-from superinfer.engine.slo import SLO, RequestTiming
-from superinfer.engine.workload import RequestClass, burst_workload, mixed_workload
+from superinfer.engine.slo import SLO
 
 # --- workloads ------------------------------------------------------------------------------------
 

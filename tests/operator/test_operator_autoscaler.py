@@ -11,10 +11,10 @@ import pytest
 
 from superinfer.engine.contract import metric
 from superinfer.operator.api import InferenceServiceSpec, SLOClassSpec, SLOStatus
-from superinfer.operator.autoscale import record, tick
-from superinfer.operator.autoscaler import Memory, Observation, Params, decide, scale_up_target
 from superinfer.operator.kube import Kube
 from superinfer.operator.latency import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
+from superinfer.operator.scaling_decision import Memory, Observation, Params, decide, scale_up_target
+from superinfer.operator.scaling_tick import record, tick
 from superinfer.operator.scrape import ClassStats, Window, WindowStats, histogram_quantile, parse, pooled
 from superinfer.operator.state import Config, Scaler, State
 

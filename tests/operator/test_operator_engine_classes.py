@@ -11,7 +11,7 @@ import pytest
 from superinfer.engine import contract
 from superinfer.operator import scrape
 from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.autoscaler import Memory, Observation, Params, decide
+from superinfer.operator.scaling_decision import Memory, Observation, Params, decide
 
 server_module = pytest.importorskip("superinfer.engine.server", reason="awaits the engine")
 config_module = pytest.importorskip("superinfer.engine.config")

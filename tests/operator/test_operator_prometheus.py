@@ -10,7 +10,7 @@ from aiohttp import web
 from superinfer.engine import contract
 from superinfer.operator import prom, scrape
 from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.autoscaler import Memory, Observation, Params, decide
+from superinfer.operator.scaling_decision import Memory, Observation, Params, decide
 
 
 def vector(value: float, **labels: str) -> dict:

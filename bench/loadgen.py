@@ -18,9 +18,10 @@ from typing import Any
 
 import aiohttp
 
+from superinfer.bench.goodput import RequestTiming, summarize
+from superinfer.bench.workload import WorkItem
 from superinfer.engine.contract import COMPLETIONS_PATH
-from superinfer.engine.slo import SLO, RequestTiming, summarize
-from superinfer.engine.workload import WorkItem
+from superinfer.engine.slo import SLO
 
 
 @dataclass(frozen=True)

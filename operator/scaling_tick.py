@@ -12,9 +12,9 @@ import kopf
 
 from superinfer.operator import conditions, names, prom, scrape
 from superinfer.operator.api import MAX_SLO_CLASSES, InferenceServiceSpec
-from superinfer.operator.autoscaler import Decision, Observation, Params, decide, window_classes
 from superinfer.operator.kube import PODS
 from superinfer.operator.reconcile import ISVC, now_iso
+from superinfer.operator.scaling_decision import Decision, Observation, Params, decide, window_classes
 from superinfer.operator.scrape import WindowStats
 from superinfer.operator.state import Scaler, State, pod_metrics_url
 from superinfer.operator.validation import validate

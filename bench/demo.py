@@ -8,11 +8,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from superinfer.bench.goodput import RequestTiming, summarize
+from superinfer.bench.loadgen import LoadRequest, run_load
+from superinfer.bench.workload import WorkItem, burst_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
-from superinfer.engine.loadgen import LoadRequest, run_load
 from superinfer.engine.server import start_server
-from superinfer.engine.slo import SLO, RequestTiming, summarize
-from superinfer.engine.workload import WorkItem, burst_workload, prompt_tokens
+from superinfer.engine.slo import SLO
 
 ROWS = (
     ("TTFT attainment", "ttft_attainment", "{:.0%}"),

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from superinfer.engine.attention import PagedAttention, SeqSpan, plan_attention
 from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
-from superinfer.engine.duplex import CopyStats, DuplexKV, StepCopies
-from superinfer.engine.sampling import SampledLogprobs, sample
+from superinfer.engine.worker.attention import PagedAttention, SeqSpan, plan_attention
+from superinfer.engine.worker.duplex import CopyStats, DuplexKV, StepCopies
+from superinfer.engine.worker.sampling import SampledLogprobs, sample
 
 
 def torch_threads(requested: int | None) -> int:

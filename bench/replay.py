@@ -12,11 +12,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from superinfer.bench.goodput import RequestTiming
+from superinfer.bench.workload import WorkItem
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.slo import RequestTiming
-from superinfer.engine.workload import WorkItem
 
 
 class VirtualClock:
