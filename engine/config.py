@@ -38,6 +38,14 @@ class EngineConfig(BaseModel):
         1.0, gt=0, description="KV budget when the model itself runs on the CPU (no device memory to probe)"
     )
     enable_prefix_caching: bool = True
+    duplex: Literal["full", "half", "serial"] = Field(
+        "full",
+        description="how KV copies run: full (both directions at once, beside the model step), half (one "
+        "direction at a time, beside the model step), serial (before the model step: the ablation baseline)",
+    )
+    write_through: bool = Field(
+        True, description="copy full KV blocks to the CPU tier as they fill, so a rotation copies only the tail"
+    )
 
     # Scheduler
     policy: Literal["fcfs", "rotary", "watermark"] = "fcfs"

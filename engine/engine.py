@@ -34,6 +34,7 @@ from superinfer.engine.slo import SLO
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from superinfer.engine.worker.attention import allocate_kv_cache
 from superinfer.engine.worker.runner import ModelRunner, StepOutput, SubmittedStep, torch_threads
+from superinfer.engine.worker.streams import Streams
 
 log = logging.getLogger("superinfer.engine")
 
@@ -84,7 +85,10 @@ class _Live:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, streams: Streams | None = None
+    ) -> None:
+        """`streams`: where device work runs (default: CUDA streams on a GPU, at once on the host)."""
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
@@ -133,13 +137,19 @@ class EngineCore:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.transfer_budget_blocks
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                config.transfer_budget_blocks,
+                config.write_through,
             ),
             self.kv,
             make_policy(config.policy, rotary, num_blocks),
             clock,
         )
-        self.runner = ModelRunner(loaded.model, kv_cache, bs, scale=mc.head_dim**-0.5, cpu_cache=cpu_cache)
+        self.runner = ModelRunner(
+            loaded.model, kv_cache, bs, mc.head_dim**-0.5, cpu_cache, duplex=config.duplex, streams=streams
+        )
         if num_cpu_blocks and config.transfer_budget_blocks < self.kv.blocks_for(self.max_model_len):
             log.warning(
                 "--transfer-budget-blocks %d is smaller than one full-length request (%d blocks): "

@@ -38,6 +38,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     transfer_budget_blocks: int = 2400
+    write_through: bool = True  # copy full blocks to the CPU tier as they fill (else only on rotation)
 
     def __post_init__(self) -> None:
         if (
@@ -69,6 +70,8 @@ class _Step:
     requests: list[Request] = field(default_factory=list)  # the request of each seq
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out_after: int = 0  # see StepPlan
+    swap_in_after: int = 0
     preempted: bool = False
     start_pos: dict[str, int] = field(default_factory=dict)  # tokens with final KV before this step
 
@@ -178,18 +181,27 @@ class Scheduler:
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
-        if self.policy.uses_cpu_tier and self.kv.cpu is not None:
+        if self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None:
             for req in self.running:
                 if step.transfer_left <= 0:
                     break
                 done = step.start_pos.get(req.request_id, req.num_computed_tokens)
                 copies = self.kv.write_through(req, step.transfer_left, step.id, done)
+                if copies:  # blocks full before this step: written by the request's compute before it
+                    written = req.step_before_last if req.last_step == step.id else req.last_step
+                    step.swap_out_after = max(step.swap_out_after, written)
                 step.swap_out += copies
                 step.transfer_left -= len(copies)
         self._submitted[step.id] = (step.requests, step.now)
         released, self._released = self._released, []
         return StepPlan(
-            step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in, released=released
+            step_id=step.id,
+            seqs=step.seqs,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
+            swap_out_after=step.swap_out_after,
+            swap_in_after=step.swap_in_after,
+            released=released,
         )
 
     def _serve_running(self, step: _Step) -> None:
@@ -229,8 +241,9 @@ class Scheduler:
                     if strict:
                         return
                     continue
-                moved = self.kv.swap_in(req, n, step.id)
+                moved, after = self.kv.swap_in(req, n, step.id)
                 step.swap_in += moved
+                step.swap_in_after = max(step.swap_in_after, after)
                 step.transfer_left -= len(moved)
                 self.rotary.remove(req)
             else:
@@ -293,6 +306,7 @@ class Scheduler:
     def _take(self, req: Request, n: int, step: _Step) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += n
+        req.step_before_last, req.last_step = req.last_step, step.id
         step.budget -= n
         step.start_pos[req.request_id] = start
         token_ids = req.token_ids[start : start + n]
@@ -320,6 +334,7 @@ class Scheduler:
         copies = self.kv.swap_out(req, step.id)
         if copies is None:
             return False
+        step.swap_out_after = max(step.swap_out_after, req.last_step)
         self.running.remove(req)
         step.swap_out += copies
         step.transfer_left -= len(copies)
