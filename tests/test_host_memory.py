@@ -76,6 +76,16 @@ def test_pinned_host_memory_is_registered_in_block_aligned_slabs_until_the_last_
     assert not cudart.registered
 
 
+def test_slabs_of_blocks_that_are_not_whole_pages_never_share_a_page(cudart, monkeypatch):
+    block = PAGE // 2 * 3  # one and a half pages
+    monkeypatch.setattr(host_memory, "SLAB_BYTES", 4 * PAGE)
+    t = host_tensor(7 * block, pin=True, align=block)
+    spans = sorted(cudart.registered.items())
+    assert all(start % PAGE == 0 and size % (3 * PAGE) == 0 for start, size in spans[:-1])
+    assert spans[-1][0] + spans[-1][1] == t.data_ptr() + -(-t.nbytes // PAGE) * PAGE
+    assert sum(size for _, size in spans) == -(-t.nbytes // PAGE) * PAGE
+
+
 def test_a_failed_registration_unregisters_the_slabs_before_it(monkeypatch):
     fake = FakeCudart(fail_at=3)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)

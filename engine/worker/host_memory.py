@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 from collections.abc import Callable
@@ -58,7 +59,8 @@ def _pages(nbytes: int) -> int:
 
 def _register(base: int, length: int, align: int, slabs: list[int]) -> None:
     """Page-lock [base, base + length) for CUDA in slabs, appending each slab's address."""
-    slab = _pages(max(align, SLAB_BYTES // align * align))
+    unit = math.lcm(align, mmap.PAGESIZE)  # slabs never share a page, and end between blocks
+    slab = max(unit, SLAB_BYTES // unit * unit)
     cudart = torch.cuda.cudart()
     for start in range(0, length, slab):
         code = int(cudart.cudaHostRegister(base + start, min(slab, length - start), _REGISTER_PORTABLE))
