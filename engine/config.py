@@ -31,7 +31,10 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     num_gpu_blocks: int | None = Field(None, ge=1, description="overrides the memory-based sizing")
     cpu_kv_gib: float | None = Field(
-        None, ge=0, description="host memory for the CPU KV tier (default: 4 with rotary/watermark, else 0)"
+        None,
+        ge=0,
+        description="host memory for the CPU KV tier (default with rotary/watermark: sized from the host's "
+        "available memory and the GPU KV pool, logged at startup; with fcfs: 0)",
     )
     num_cpu_blocks: int | None = Field(None, ge=0, description="overrides --cpu-kv-gib")
     kv_cache_gib_cpu_device: float = Field(
@@ -99,12 +102,6 @@ class EngineConfig(BaseModel):
         """Every SLO class of the server, `default` included."""
         named = parse_classes(self.slo_classes) if self.slo_classes is not None else None
         return class_table(named, SLO(self.ttft_slo_ms, self.tbt_slo_ms))
-
-    @property
-    def cpu_tier_gib(self) -> float:
-        if self.cpu_kv_gib is not None:
-            return self.cpu_kv_gib
-        return 4.0 if self.policy in ("rotary", "watermark") else 0.0
 
     @property
     def model_name(self) -> str:

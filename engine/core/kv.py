@@ -265,6 +265,10 @@ class KVCacheManager:
         req.cpu_tail = None
 
     # --- the CPU tier ------------------------------------------------------------------------
+    def unwritten_blocks(self, req: Request, complete_tokens: int) -> int:
+        """Full blocks of the request's first `complete_tokens` tokens with no CPU copy yet."""
+        return max(0, min(complete_tokens // self.block_size, len(req.block_ids)) - len(req.cpu_block_ids))
+
     def write_through(
         self, req: Request, budget: int, step: int, complete_tokens: int | None = None
     ) -> list[tuple[int, int]]:

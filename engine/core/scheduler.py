@@ -55,7 +55,16 @@ class SchedulerCounters:
     """Monotonic counters; the metrics layer exports their increments."""
 
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    # The same preemptions by (mode, reason): swap for "policy" (chosen to rotate out) or
+    # "gpu_full" (out of GPU blocks mid-step); recompute for "gpu_full" (no rotation possible),
+    # "cpu_full" (the CPU tier had no room) or "transfer_budget" (the copies exceed a step's budget).
+    preemption_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
     rotations: int = 0
+
+    def preempted(self, mode: str, reason: str) -> None:
+        self.preemptions[mode] += 1
+        key = (mode, reason)
+        self.preemption_reasons[key] = self.preemption_reasons.get(key, 0) + 1
 
 
 @dataclass
@@ -176,22 +185,13 @@ class Scheduler:
         if decision.token_budget is not None:
             step.budget = min(step.budget, decision.token_budget)
         for req in decision.rotate_out:
-            if not self._rotate_out(req, step):
+            if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
         if self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None:
-            for req in self.running:
-                if step.transfer_left <= 0:
-                    break
-                done = step.start_pos.get(req.request_id, req.num_computed_tokens)
-                copies = self.kv.write_through(req, step.transfer_left, step.id, done)
-                if copies:  # blocks full before this step: written by the request's compute before it
-                    written = req.step_before_last if req.last_step == step.id else req.last_step
-                    step.swap_out_after = max(step.swap_out_after, written)
-                step.swap_out += copies
-                step.transfer_left -= len(copies)
+            self._write_through(step)
         self._submitted[step.id] = (step.requests, step.now)
         released, self._released = self._released, []
         return StepPlan(
@@ -235,7 +235,7 @@ class Scheduler:
                 blocks, copies = self.kv.swap_in_need(req, n)
                 if copies > self.config.transfer_budget_blocks:
                     self.rotary.remove(req)  # it could never come back within a step's budget
-                    self._recompute(req)
+                    self._recompute(req, "transfer_budget")
             if req.status is RequestStatus.ROTARY:
                 if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
                     if strict:
@@ -327,7 +327,33 @@ class Scheduler:
         if sample:
             req.num_pending_tokens += 1
 
-    def _rotate_out(self, req: Request, step: _Step) -> bool:
+    def _write_through(self, step: _Step) -> None:
+        """Copy the running requests' newly full blocks to the CPU tier, within the transfer
+        budget. When the budget or the tier's free blocks cannot take them all, the policy's
+        likeliest next rotation victims go first: rotating one out then copies only its tail."""
+        order: list[Request] = []
+        done: dict[str, int] = {}  # tokens with final KV before this step
+        total = 0
+        for req in self.running:
+            complete = step.start_pos.get(req.request_id, req.num_computed_tokens)
+            n = self.kv.unwritten_blocks(req, complete)
+            if n > 0:
+                order.append(req)
+                done[req.request_id] = complete
+                total += n
+        if len(order) > 1 and total > min(step.transfer_left, self.kv.cpu.num_free):
+            order = self.policy.rotation_order(order, step.now)
+        for req in order:
+            if step.transfer_left <= 0:
+                break
+            copies = self.kv.write_through(req, step.transfer_left, step.id, done[req.request_id])
+            if copies:  # blocks full before this step: written by the request's compute before it
+                written = req.step_before_last if req.last_step == step.id else req.last_step
+                step.swap_out_after = max(step.swap_out_after, written)
+            step.swap_out += copies
+            step.transfer_left -= len(copies)
+
+    def _rotate_out(self, req: Request, step: _Step, reason: str) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
         if step.transfer_left < self.kv.swap_out_cost(req):
             return False
@@ -341,26 +367,29 @@ class Scheduler:
         req.status = RequestStatus.ROTARY
         req.num_rotations += 1
         self.counters.rotations += 1
-        self.counters.preemptions["swap"] += 1
+        self.counters.preempted("swap", reason)
         self.rotary.append(req)
         return True
 
     def _evict(self, req: Request, step: _Step) -> None:
         """A running request must give up its blocks (another ran out): rotate it to the CPU tier
         if the policy uses one and it fits, else preempt it by recompute (blocks freed, tokens kept)."""
-        if self.policy.uses_cpu_tier and req.in_decode and self._rotate_out(req, step):
-            return
+        reason = "gpu_full"
+        if self.policy.uses_cpu_tier and req.in_decode:
+            if self._rotate_out(req, step, "gpu_full"):
+                return
+            reason = "transfer_budget" if step.transfer_left < self.kv.swap_out_cost(req) else "cpu_full"
         self.running.remove(req)
-        self._recompute(req)
+        self._recompute(req, reason)
 
-    def _recompute(self, req: Request) -> None:
+    def _recompute(self, req: Request, reason: str) -> None:
         """Drop the request's KV in both tiers; it waits at the front and is prefilled again
         (its tokens are kept, and its blocks still cached on the GPU are found again)."""
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.counters.preemptions["recompute"] += 1
+        self.counters.preempted("recompute", reason)
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
