@@ -161,7 +161,7 @@ class EngineMetrics:
                 "free": kv.pool.num_free,
                 "dirty": kv.pool.num_used - clean,
                 "clean": clean,
-                "quarantined": len(kv.pool.held),
+                "quarantined": kv.pool.num_fenced,
             }
         }
         if kv.cpu is not None:

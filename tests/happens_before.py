@@ -58,12 +58,14 @@ def copy_ins_after_compute(ops: list[Op]) -> list[tuple[Op, Op, bool]]:
 
 def copy_ins_waiting_without_cause(ops: list[Op]) -> list[str]:
     """Copy-ins of step t+1 with a path from step t's compute although they write no block that
-    step's compute touches: the pipelining DuplexKV promises did not happen."""
-    return [
-        copy_in.label
-        for copy_in, compute, waits in copy_ins_after_compute(ops)
-        if waits and not copy_in.access.writes & (compute.access.reads | compute.access.writes)
-    ]
+    step's compute touches: the pipelining DuplexKV promises did not happen. (A step without
+    model work has nothing to overlap: the host collects it at once, and what follows waits.)"""
+    bad = []
+    for copy_in, compute, waits in copy_ins_after_compute(ops):
+        touched = compute.access.reads | compute.access.writes
+        if waits and touched and not copy_in.access.writes & touched:
+            bad.append(copy_in.label)
+    return bad
 
 
 def _step(op: Op) -> int:

@@ -148,13 +148,30 @@ def test_happens_before_a_block_released_under_a_step_in_flight_is_not_a_copy_de
     a, b = pool.allocate(2)
     pool.release([a, b], computed_in=5)  # step 5, which reads them, has not finished
     assert pool.num_free == 4
-    blocks, after = pool.allocate_for_copy(2)
-    assert set(blocks).isdisjoint({a, b}) and after == 0
-    more, after = pool.allocate_for_copy(1)  # only fenced blocks are left
-    assert more[0] in {a, b} and after == 5
+    blocks, after_compute, _ = pool.allocate_for_copy(2)
+    assert set(blocks).isdisjoint({a, b}) and after_compute == 0
+    more, after_compute, _ = pool.allocate_for_copy(1)  # only fenced blocks are left
+    assert more[0] in {a, b} and after_compute == 5
     pool.retire(5)
     pool.release(more, computed_in=5)  # step 5 is done: no fence any more
     assert pool.allocate_for_copy(1)[1] == 0
+
+
+def test_happens_before_a_block_released_under_a_copy_waits_for_the_next_plan_then_names_the_copy():
+    pool = BlockPool(3, reuse_under_copy=True)
+    a, b, c = pool.allocate(3)
+    pool.copied([a], step=7)  # step 7's copy-out reads block a
+    pool.release([a, b])
+    assert pool.num_free == 1 and pool.num_fenced == 1  # a is quarantined while step 7 is planned
+    pool.begin_step()  # planning step 8: step 7's copies are issued, an op can wait for them
+    assert pool.num_free == 2 and pool.copy_fence_taken == 0
+    assert pool.allocate(1) == [b]  # the unfenced block first
+    assert pool.allocate(1) == [a] and pool.copy_fence_taken == 7  # then the fenced one, and the step
+    pool.release([a, b])
+    pool.retire(7)
+    pool.begin_step()
+    pool.allocate(2)
+    assert pool.copy_fence_taken == 0
 
 
 def test_happens_before_swap_in_into_a_fenced_block_names_the_step():
@@ -168,5 +185,7 @@ def test_happens_before_swap_in_into_a_fenced_block_names_the_step():
     assert kv.allocate(other, 3)
     other.last_step = 3
     kv.free(other)  # step 3 still computes with its block
-    copies, after = kv.swap_in(req, 1, step=4)
-    assert len(copies) == 2 and after == 3  # two blocks come back into the only two, one of them fenced
+    moved = kv.swap_in(req, 1, step=4)
+    # Two blocks come back into the only two free, one of them fenced; their CPU copies were
+    # written by step 2's copy-out, which has finished.
+    assert len(moved.copies) == 2 and moved.after_compute == 3 and moved.after_copy == 0

@@ -10,7 +10,8 @@ end nothing is stuck and nothing leaked.
 
 With async scheduling, step t+1 is planned while step t is in flight (its tokens unknown to the
 scheduler) and the device runs them in order; step t's copy-out may still be running during step
-t+1, so step t+1 must not write a block step t copies out.
+t+1, so an op of step t+1 that writes a block step t copies out must wait for that copy-out.
+(tests/test_happens_before.py checks the whole dependency graph of the real executor.)
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ def check_rules(plan: StepPlan, block_size: int, xfer: int) -> None:
 
 
 def check_pipelined(plan: StepPlan, in_flight: StepPlan, block_size: int) -> None:
+    """A block the step in flight copies out is written by the next step only by an op that
+    waits for that copy-out."""
+    copied_out = {g for g, _ in in_flight.swap_out}
+    copied_in = {g for _, g in plan.swap_in}  # compute waits for the copy-in that writes these first
     written = {q.block_ids[p // block_size] for q in plan.seqs for p in range(q.start_pos, q.context_len)}
-    written |= {g for _, g in plan.swap_in}
-    assert not written & {g for g, _ in in_flight.swap_out}, "a block is written while the step before copies it out"
+    if (written - copied_in) & copied_out:
+        assert plan.compute_after_copy >= in_flight.step_id, "compute writes a block under a copy-out, without waiting"
+    if copied_in & copied_out:
+        assert plan.swap_in_after_copy >= in_flight.step_id, "copy-in writes a block under a copy-out, without waiting"
 
 
 def apply(

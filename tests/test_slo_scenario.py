@@ -1,6 +1,6 @@
 """End to end on the CPU engine: a burst that exhausts GPU KV memory behind long decodes.
 
-The model runs for real; time is a virtual clock advanced by a step cost model, so the result
+The model runs for real; time is a virtual clock advanced by a model of the device timeline, so the result
 is the same on every machine. FCFS queues the burst behind the long decodes (head-of-line
 blocking); RotaSched rotates the long decodes to the CPU tier and serves the burst in time.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from superinfer.bench.goodput import summarize
-from superinfer.bench.replay import StepCost, VirtualClock, replay
+from superinfer.bench.replay import VirtualClock, replay
 from superinfer.bench.workload import burst_workload, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
@@ -90,7 +90,7 @@ def run_overload(policy: str, duration_s: float = 14, **config) -> tuple[dict[st
     items = poisson_workload(
         12, duration_s, slo, seed=0, prompt_median=40, output_median=60, max_prompt=256, max_output=512
     )
-    timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size), StepCost())
+    timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size))
     return summarize(timings, duration), core
 
 

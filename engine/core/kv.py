@@ -10,15 +10,15 @@ block never changes again, so it is copied to the CPU tier as soon as it fills (
 write-through); rotating a request out then only copies its partial tail, and rotating it back in
 reuses its blocks still cached on the GPU and copies in only the rest.
 
-Safety, with async scheduling (the host plans step t+1 while step t runs on the device):
-- a block released while a copy of an unfinished step reads or writes it is quarantined with that
-  step's id as a fence, and returns to the free list only when the engine reports the step
-  complete; so no block is reused under a copy;
-- a block released while the compute of an unfinished step may still touch it (the releasing
-  request ran in that step) is free at once for compute, which runs steps in order on one lane,
-  but carries the step as a fence: copies are not ordered with compute, so the pool hands such
-  blocks to copy-ins last, and a copy-in that gets one waits for that step's compute
-  (`StepPlan.swap_in_after`). Copy-in of step t+1 otherwise overlaps step t's compute.
+Safety, with async scheduling (the host plans step t+1 while step t runs on the device). A
+released block that an unfinished step still touches carries that step as a fence:
+- touched by a copy: a GPU block is quarantined until the next plan begins, then free but handed
+  out last, and the op that takes it waits for that step's copy-out (`StepPlan.compute_after_copy`,
+  `swap_in_after_copy`); a CPU block is quarantined until the step retires (the CPU tier is
+  large, so nothing waits);
+- touched by compute only: free at once for compute, which runs steps in order on one lane; the
+  pool hands such blocks to copy-ins last, and a copy-in that gets one waits for that step's
+  compute (`StepPlan.swap_in_after`). Copy-in of step t+1 otherwise overlaps step t's compute.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from superinfer.engine.core.request import Request
 
@@ -36,27 +37,43 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _newest(blocks: Iterable[int], fences: dict[int, int]) -> int:
+    return max((fences.get(b, 0) for b in blocks), default=0)
+
+
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """Hash of one full block of tokens, chained with its parent block's hash."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-class BlockPool:
-    """Fixed set of block ids with reference counts, an LRU free list, a prefix-hash index and a
-    quarantine of released blocks that an unfinished copy may still touch."""
+class SwapIn(NamedTuple):
+    copies: list[tuple[int, int]]  # (cpu block, gpu block)
+    after_compute: int  # an unfinished step whose compute touches a destination (0: none)
+    after_copy: int  # an unfinished step whose copies touch a source or a destination (0: none)
 
-    def __init__(self, num_blocks: int) -> None:
+
+class BlockPool:
+    """Fixed set of block ids with reference counts, an LRU free list, a prefix-hash index, and
+    fences on released blocks that an unfinished step may still touch.
+
+    A released block that an unfinished copy touches is quarantined until that step retires, or,
+    with `reuse_under_copy`, until the next plan begins: then it is free but handed out last, and
+    whoever takes it learns the copy's step (so its op can wait for that copy)."""
+
+    def __init__(self, num_blocks: int, reuse_under_copy: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.reuse_under_copy = reuse_under_copy
         self.ref_cnt = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
-        self.copying: dict[int, int] = {}  # block -> the newest step with a copy from or to it
+        self.copying: dict[int, int] = {}  # block -> the newest unfinished step with a copy from or to it
         self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
         self.completed = 0  # every step up to this one is done
+        self.copy_fence_taken = 0  # the newest unfinished copy touching a block `allocate` handed out
 
     @property
     def num_free(self) -> int:
@@ -66,24 +83,45 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free) - len(self.held)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take n free blocks, evicting the least recently freed cached ones first."""
-        if n > len(self.free):
-            raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
-        return [self._take(self.free.popitem(last=False)[0]) for _ in range(n)]
+    @property
+    def num_fenced(self) -> int:
+        """Released blocks an unfinished copy still touches (quarantined, or free but fenced)."""
+        return len(self.held) + sum(1 for b in self.copying if self.ref_cnt[b] == 0 and b not in self.held)
 
-    def allocate_for_copy(self, n: int) -> tuple[list[int], int]:
-        """Take n free blocks for a copy to write, those no unfinished compute touches first.
-        Returns the blocks and the newest unfinished step whose compute touches one (0: none)."""
-        if not self.computing:
-            return self.allocate(n), 0
+    def begin_step(self) -> None:
+        """A new plan starts. With `reuse_under_copy`, the blocks quarantined while the previous
+        plan was made become free (still fenced): this plan's ops can wait for those copies,
+        while the previous plan's ops could not (its copies were not yet issued)."""
+        self.copy_fence_taken = 0
+        if self.reuse_under_copy and self.held:
+            self.free.update(dict.fromkeys(self.held))
+            self.held.clear()
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n free blocks for compute to write, evicting the least recently freed cached ones
+        first and those an unfinished copy touches last (`copy_fence_taken` tells which copy)."""
+        blocks = self._pop(n, (self.copying,))
+        self.copy_fence_taken = max(self.copy_fence_taken, _newest(blocks, self.copying))
+        return blocks
+
+    def allocate_for_copy(self, n: int) -> tuple[list[int], int, int]:
+        """Take n free blocks for a copy to write, those no unfinished step touches first. Returns
+        the blocks, and the newest unfinished steps whose compute and whose copies touch one."""
+        blocks = self._pop(n, (self.computing, self.copying))
+        return blocks, _newest(blocks, self.computing), _newest(blocks, self.copying)
+
+    def _pop(self, n: int, avoid: tuple[dict[int, int], ...]) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
-        clean = [b for b in itertools.islice(self.free, n + len(self.computing)) if b not in self.computing][:n]
-        for block in clean:
-            del self.free[block]
-        out = [self._take(b) for b in clean] + self.allocate(n - len(clean))
-        return out, max((self.computing.get(b, 0) for b in out), default=0)
+        clean: list[int] = []
+        fenced = sum(len(fences) for fences in avoid)
+        if fenced:  # scanning this far from the head finds n unfenced blocks if there are any
+            window = itertools.islice(self.free, n + fenced)
+            clean = [b for b in window if not any(b in fences for fences in avoid)][:n]
+            for block in clean:
+                del self.free[block]
+        rest = [self.free.popitem(last=False)[0] for _ in range(n - len(clean))]
+        return [self._take(b) for b in clean + rest]
 
     def _take(self, block: int) -> int:
         self._drop_hash(block)
@@ -155,7 +193,7 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
     ) -> None:
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, reuse_under_copy=True)
         self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -344,9 +382,8 @@ class KVCacheManager:
         taken += self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
         return taken, copies
 
-    def swap_in(self, req: Request, num_new_tokens: int, step: int) -> tuple[list[tuple[int, int]], int]:
-        """Bring a rotary request's KV back; returns the copies (cpu, gpu) and the unfinished step
-        whose compute still touches a destination block (0: none; the copy-in must wait for it).
+    def swap_in(self, req: Request, num_new_tokens: int, step: int) -> SwapIn:
+        """Bring a rotary request's KV back: the copies, and what they must wait for.
 
         The caller has checked `swap_in_need` against the free pool. Its own full blocks still
         cached on the GPU are reused without a copy.
@@ -361,7 +398,7 @@ class KVCacheManager:
         sources = [c for c, hit in zip(req.cpu_block_ids, hits, strict=True) if hit is None]
         if req.cpu_tail is not None:
             sources.append(req.cpu_tail)
-        dests, after = self.pool.allocate_for_copy(len(sources))
+        dests, after_compute, after_copy = self.pool.allocate_for_copy(len(sources))
         fresh = iter(dests)
         for i, block in enumerate(hits):
             if block is None:
@@ -372,6 +409,7 @@ class KVCacheManager:
         if req.cpu_tail is not None:
             req.block_ids.append(next(fresh))
         copies = list(zip(sources, dests, strict=True))
+        after_copy = max(after_copy, _newest(sources, self.cpu.copying))
         if copies:
             self._copying((g for _, g in copies), (c for c, _ in copies), step)
         if req.cpu_tail is not None:
@@ -380,4 +418,4 @@ class KVCacheManager:
         growth = self.growth_blocks(req, num_new_tokens)
         if growth:
             req.block_ids.extend(self.pool.allocate(growth))
-        return copies, after
+        return SwapIn(copies, after_compute, after_copy)

@@ -81,6 +81,7 @@ class _Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out_after: int = 0  # see StepPlan
     swap_in_after: int = 0
+    swap_in_after_copy: int = 0
     preempted: bool = False
     start_pos: dict[str, int] = field(default_factory=dict)  # tokens with final KV before this step
 
@@ -178,6 +179,7 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._step_id += 1
+        self.kv.pool.begin_step()
         step = _Step(
             self._step_id, self.clock(), self.config.max_num_batched_tokens, self.config.transfer_budget_blocks
         )
@@ -201,6 +203,8 @@ class Scheduler:
             swap_in=step.swap_in,
             swap_out_after=step.swap_out_after,
             swap_in_after=step.swap_in_after,
+            swap_in_after_copy=step.swap_in_after_copy,
+            compute_after_copy=self.kv.pool.copy_fence_taken,
             released=released,
         )
 
@@ -241,10 +245,11 @@ class Scheduler:
                     if strict:
                         return
                     continue
-                moved, after = self.kv.swap_in(req, n, step.id)
-                step.swap_in += moved
-                step.swap_in_after = max(step.swap_in_after, after)
-                step.transfer_left -= len(moved)
+                moved = self.kv.swap_in(req, n, step.id)
+                step.swap_in += moved.copies
+                step.swap_in_after = max(step.swap_in_after, moved.after_compute)
+                step.swap_in_after_copy = max(step.swap_in_after_copy, moved.after_copy)
+                step.transfer_left -= len(moved.copies)
                 self.rotary.remove(req)
             else:
                 cached = self.kv.cached_prefix(req)

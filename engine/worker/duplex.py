@@ -5,13 +5,13 @@ the cache tensor. Runs of consecutive blocks on both sides are coalesced into on
 
 Each step has up to three ops (`streams.py`): copy-in (CPU -> GPU), copy-out (GPU -> CPU) and
 compute (the model step). They wait only for what they depend on:
-- copy-in waits for the copy-outs before it (it may read CPU blocks they write) and, only when
-  the plan says so (`swap_in_after`), for the compute of an unfinished step that still touches
-  one of its destination blocks (the KV manager avoids handing such blocks to copies);
+- copy-in waits only where the plan says so: for the copy-out that wrote a CPU block it reads
+  (`swap_in_after_copy`), and for the compute of an unfinished step that still touches one of
+  its destination blocks (`swap_in_after`; the KV manager hands such blocks to copies last);
 - copy-out waits for the compute of the step that wrote its blocks (`swap_out_after`);
-- compute waits for its copy-in (it reads those blocks).
-With async scheduling, step t+1's copy-in therefore runs while step t computes. Blocks a copy
-touches stay quarantined until its step finishes, so no later op reuses them under the copy.
+- compute waits for its copy-in (it reads those blocks), and for the copy-out of a step that
+  still reads a block it writes (`compute_after_copy`: the KV manager hands such blocks out last).
+With async scheduling, step t+1's copy-in therefore runs while step t computes.
 
 Modes (`--duplex`): `full` puts the directions on two lanes (both at once); `half` on one lane
 (in turn, copy-in first so it never queues behind a copy-out that waits for the running step);
@@ -21,7 +21,7 @@ Modes (`--duplex`): `full` puts the directions on two lanes (both at once); `hal
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -102,6 +102,7 @@ class StepCopies:
     copy_out: Span | None = None
     copy_in: Span | None = None
     compute: Span | None = None
+    compute_after: list[Span] = field(default_factory=list)  # copies the compute must wait for
 
 
 class DuplexKV:
@@ -120,17 +121,17 @@ class DuplexKV:
         self.mode = mode
         self.out_lane, self.in_lane = COPY_LANES[mode]
         self._computes: dict[int, Span] = {}  # unfinished steps' compute
-        self._last_out: Span | None = None
+        self._copy_outs: dict[int, Span] = {}  # unfinished steps' copy-out
         self._previous: StepCopies | None = None  # the step submitted before the newest
 
     def start(self, plan: StepPlan) -> StepCopies:
         """Issue the plan's copies; the step's compute goes through `compute`."""
         step = StepCopies(plan.step_id, CopyStats(len(plan.swap_out), len(plan.swap_in)), self.streams.mark())
+        step.compute_after = self._copy_out_of(plan.compute_after_copy)
         if (plan.swap_out or plan.swap_in) and self.cpu is None:
             raise RuntimeError("the plan moves blocks between tiers but there is no CPU tier (--cpu-kv-gib)")
         if plan.swap_in:
-            after = [self._last_out] if self._last_out is not None else []
-            after += self._compute_of(plan.swap_in_after)
+            after = self._compute_of(plan.swap_in_after) + self._copy_out_of(plan.swap_in_after_copy)
             step.copy_in = self.streams.run(
                 self.in_lane,
                 lambda: copy_blocks(self.cpu, self.gpu, plan.swap_in),
@@ -139,7 +140,7 @@ class DuplexKV:
                 f"copy_in {plan.step_id}",
             )
         if plan.swap_out:
-            step.copy_out = self._last_out = self.streams.run(
+            step.copy_out = self._copy_outs[plan.step_id] = self.streams.run(
                 self.out_lane,
                 lambda: copy_blocks(self.gpu, self.cpu, plan.swap_out),
                 self._compute_of(plan.swap_out_after),
@@ -150,7 +151,7 @@ class DuplexKV:
 
     def compute(self, step: StepCopies, fn: Callable[[], None], access: Callable[[], Access] | None = None) -> None:
         """Enqueue the step's model work behind its copy-in."""
-        after = [step.copy_in] if step.copy_in is not None else []
+        after = step.compute_after + ([step.copy_in] if step.copy_in is not None else [])
         step.compute = self.streams.run("compute", fn, after, access, f"compute {step.step_id}")
         self._computes[step.step_id] = step.compute
 
@@ -161,11 +162,16 @@ class DuplexKV:
             self.streams.wait(span)
         self._measure(step)
         self._computes.pop(step.step_id, None)
+        self._copy_outs.pop(step.step_id, None)
         self._previous = step
         return step.stats
 
     def _compute_of(self, step_id: int) -> list[Span]:
         span = self._computes.get(step_id)
+        return [span] if span is not None else []
+
+    def _copy_out_of(self, step_id: int) -> list[Span]:
+        span = self._copy_outs.get(step_id)
         return [span] if span is not None else []
 
     def _measure(self, step: StepCopies) -> None:
