@@ -217,13 +217,13 @@ class Scheduler:
             step.swap_out += copies
             step.transfer_left -= len(copies)
             if len(req.cpu_block_ids) >= min(req.num_computed_tokens // bs, len(req.block_ids)):
-                self._unwritten.discard(req)  # up to date, also once this step's KV is final
+                self._unwritten.discard(req)  # written up to its computed tokens, this step's included
 
     def _serve_running(self, step: _Step) -> None:
         running, kv = self.running, self.kv
         i = self._serve_decodes(0, step)
         while i < len(running) and step.budget > 0:
-            req = running[i]  # not a plain decode: a prefill chunk, or it needs a block
+            req = running[i]  # a prefill chunk, or a decode with no free block for it
             n = min(self.next_tokens(req), step.budget)
             while not kv.allocate(req, n):
                 victim = self.policy.victim(self.running[i:], step.now)
@@ -237,10 +237,12 @@ class Scheduler:
             i = self._serve_decodes(i, step)
 
     def _serve_decodes(self, i: int, step: _Step) -> int:
-        """Serve running[i:] while they are plain decodes (one token, room in the last block),
-        skipping those whose pending token ends them; returns where it stopped. The bulk of a
-        step with thousands of running requests: _take(req, 1, step) inlined, locals hoisted."""
-        running, bs, max_len = self.running, self.kv.block_size, self.config.max_model_len
+        """Serve running[i:] while they are plain decodes (one token, and a block for it), skipping
+        those whose pending token ends them; returns where it stopped (a prefill chunk, or no free
+        block: the general path evicts). The bulk of a step with thousands of running requests:
+        _take(req, 1, step) inlined, locals hoisted."""
+        running, kv, max_len = self.running, self.kv, self.config.max_model_len
+        bs = kv.block_size
         seqs, requests, budget = step.seqs, step.requests, step.budget
         unwritten, writes_through = self._unwritten, step.writes_through
         while i < len(running) and budget > 0:
@@ -249,8 +251,10 @@ class Scheduler:
             if pending and req.ends_after_pending(max_len):
                 i += 1
                 continue
-            if len(req.token_ids) + pending - start != 1 or start >= len(req.block_ids) * bs:
+            if len(req.token_ids) + pending - start != 1:
                 break
+            if start >= len(req.block_ids) * bs and not kv.allocate(req, 1):
+                break  # allocate changed nothing
             req.num_computed_tokens = start + 1
             budget -= 1
             if writes_through and (req in unwritten or (start + 1) % bs == 0):
