@@ -31,13 +31,24 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     num_gpu_blocks: int | None = Field(None, ge=1, description="overrides the memory-based sizing")
     cpu_kv_gib: float | None = Field(
-        None, ge=0, description="host memory for the CPU KV tier (default: 4 with rotary/watermark, else 0)"
+        None,
+        ge=0,
+        description="host memory for the CPU KV tier (default with rotary/watermark: sized from the host's "
+        "available memory and the GPU KV pool, logged at startup; with fcfs: 0)",
     )
     num_cpu_blocks: int | None = Field(None, ge=0, description="overrides --cpu-kv-gib")
     kv_cache_gib_cpu_device: float = Field(
         1.0, gt=0, description="KV budget when the model itself runs on the CPU (no device memory to probe)"
     )
     enable_prefix_caching: bool = True
+    duplex: Literal["full", "half", "serial"] = Field(
+        "full",
+        description="how KV copies run: full (both directions at once, beside the model step), half (one "
+        "direction at a time, beside the model step), serial (before the model step: the ablation baseline)",
+    )
+    write_through: bool = Field(
+        True, description="copy full KV blocks to the CPU tier as they fill, so a rotation copies only the tail"
+    )
 
     # Scheduler
     policy: Literal["fcfs", "rotary", "watermark"] = "fcfs"
@@ -91,12 +102,6 @@ class EngineConfig(BaseModel):
         """Every SLO class of the server, `default` included."""
         named = parse_classes(self.slo_classes) if self.slo_classes is not None else None
         return class_table(named, SLO(self.ttft_slo_ms, self.tbt_slo_ms))
-
-    @property
-    def cpu_tier_gib(self) -> float:
-        if self.cpu_kv_gib is not None:
-            return self.cpu_kv_gib
-        return 4.0 if self.policy in ("rotary", "watermark") else 0.0
 
     @property
     def model_name(self) -> str:

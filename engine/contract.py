@@ -85,7 +85,9 @@ GAUGES = {
 COUNTERS = {
     "kv_swap_bytes": ("direction",),
     "rotations": (),
-    "preemptions": ("mode",),
+    # mode="swap" (rotated to the CPU tier), reason="policy" | "gpu_full" (out of GPU blocks);
+    # mode="recompute", reason="gpu_full" | "cpu_full" (the CPU tier had no room) | "transfer_budget".
+    "preemptions": ("mode", "reason"),
     "prompt_tokens": (),
     "generation_tokens": (),
     "requests_finished": ("finished_reason",),

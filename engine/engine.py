@@ -33,7 +33,14 @@ from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo import SLO
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from superinfer.engine.worker.attention import allocate_kv_cache
+from superinfer.engine.worker.host_memory import (
+    HOST_FRACTION,
+    MAX_HOST_FRACTION,
+    available_host_bytes,
+    default_tier_bytes,
+)
 from superinfer.engine.worker.runner import ModelRunner, StepOutput, SubmittedStep, torch_threads
+from superinfer.engine.worker.streams import Streams
 
 log = logging.getLogger("superinfer.engine")
 
@@ -78,13 +85,44 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, d
     return int(budget // block_bytes)
 
 
+def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: int, device: torch.device) -> int:
+    """Blocks of the CPU tier: the overrides, else (policies that rotate) a share of the host's
+    available memory, at least the GPU pool's size when memory allows (see default_tier_bytes).
+    With the model on the CPU the "GPU pool" is host memory too: the tier defaults to its size."""
+    if config.num_cpu_blocks is not None:
+        return config.num_cpu_blocks
+    if config.cpu_kv_gib is not None:
+        return int(config.cpu_kv_gib * (1 << 30)) // block_bytes
+    if config.policy == "fcfs":
+        return 0  # fcfs never rotates
+    available, pool = available_host_bytes(), num_gpu_blocks * block_bytes
+    on_cuda = device.type == "cuda"
+    gpus = torch.cuda.device_count() if on_cuda else 1
+    fraction = HOST_FRACTION if on_cuda else 0.0
+    tier = default_tier_bytes(available, pool, gpus, fraction)
+    log.info(
+        "CPU KV tier sized automatically (--cpu-kv-gib overrides): %.2f GiB from %.2f GiB of available host "
+        "memory over %d GPU(s) and a %.2f GiB KV pool: max(%g x share, min(pool, %g x share))",
+        tier / 2**30,
+        available / 2**30,
+        gpus,
+        pool / 2**30,
+        fraction,
+        MAX_HOST_FRACTION,
+    )
+    return tier // block_bytes
+
+
 @dataclass
 class _Live:
     stream: TextStream
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, streams: Streams | None = None
+    ) -> None:
+        """`streams`: where device work runs (default: CUDA streams on a GPU, at once on the host)."""
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
@@ -111,15 +149,27 @@ class EngineCore:
         bs = config.block_size
         block_bytes = mc.kv_bytes_per_token(self.dtype.itemsize) * bs
         num_blocks = num_kv_blocks(config, loaded, block_bytes, self.device)
-        num_cpu_blocks = config.num_cpu_blocks
-        if num_cpu_blocks is None:
-            num_cpu_blocks = int(config.cpu_tier_gib * (1 << 30)) // block_bytes
+        num_cpu_blocks = num_cpu_tier_blocks(config, block_bytes, num_blocks, self.device)
         shape = (mc.num_layers, bs, mc.num_kv_heads, mc.head_dim)
         kv_cache = allocate_kv_cache(num_blocks, *shape, self.dtype, self.device)
         cpu_cache = None
         if num_cpu_blocks:
-            cpu_cache = allocate_kv_cache(
-                num_cpu_blocks, *shape, self.dtype, "cpu", pin_memory=self.device.type == "cuda"
+            t0 = time.perf_counter()
+            pin = self.device.type == "cuda"
+            cpu_cache = allocate_kv_cache(num_cpu_blocks, *shape, self.dtype, "cpu", pin_memory=pin)
+            log.info(
+                "CPU KV tier: %d blocks, %.2f GiB of %s host memory (%.1f s)",
+                num_cpu_blocks,
+                num_cpu_blocks * block_bytes / 2**30,
+                "pinned" if pin else "plain",
+                time.perf_counter() - t0,
+            )
+        if config.policy != "fcfs" and num_cpu_blocks < num_blocks:
+            log.warning(
+                "the CPU KV tier (%d blocks) is smaller than the GPU KV pool (%d blocks): when it is full, "
+                'rotation falls back to recompute, counted in preemptions{mode="recompute", reason="cpu_full"}',
+                num_cpu_blocks,
+                num_blocks,
             )
         self.block_bytes = block_bytes
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_cpu_blocks)
@@ -133,13 +183,19 @@ class EngineCore:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.transfer_budget_blocks
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                config.transfer_budget_blocks,
+                config.write_through,
             ),
             self.kv,
             make_policy(config.policy, rotary, num_blocks),
             clock,
         )
-        self.runner = ModelRunner(loaded.model, kv_cache, bs, scale=mc.head_dim**-0.5, cpu_cache=cpu_cache)
+        self.runner = ModelRunner(
+            loaded.model, kv_cache, bs, mc.head_dim**-0.5, cpu_cache, duplex=config.duplex, streams=streams
+        )
         if num_cpu_blocks and config.transfer_budget_blocks < self.kv.blocks_for(self.max_model_len):
             log.warning(
                 "--transfer-budget-blocks %d is smaller than one full-length request (%d blocks): "

@@ -132,10 +132,11 @@ class EngineMetrics:
         for phase, seconds in phase_seconds.items():
             self._child(self.step, phase).observe(seconds)
         counters = sched.counters
-        for mode, n in counters.preemptions.items():
-            if n > self._seen.preemptions[mode]:
-                self._c("preemptions", mode).inc(n - self._seen.preemptions[mode])
-                self._seen.preemptions[mode] = n
+        seen = self._seen.preemption_reasons
+        for (mode, reason), n in counters.preemption_reasons.items():
+            if n > seen.get((mode, reason), 0):
+                self._c("preemptions", mode, reason).inc(n - seen.get((mode, reason), 0))
+                seen[(mode, reason)] = n
         if counters.rotations > self._seen.rotations:
             self._c("rotations").inc(counters.rotations - self._seen.rotations)
             self._seen.rotations = counters.rotations

@@ -190,6 +190,7 @@ class CPUOffload(KubeModel):
 
 class KVCacheSpec(KubeModel):
     cpu_offload: CPUOffload | None = None
+    """The rotary CPU KV tier's size; unset, the engine sizes it from the memory the pod has left."""
 
 
 class ResourcesSpec(KubeModel):

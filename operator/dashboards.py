@@ -175,8 +175,13 @@ def rotation() -> dict[str, Any]:
             "percentunit",
         ),
         panel(
-            "Preemptions/s by mode",
-            [(q.rate_sum(metric("preemptions") + "_total", "model_name, mode"), "{{mode}} {{model_name}}")],
+            "Preemptions/s by mode and reason",
+            [
+                (
+                    q.rate_sum(metric("preemptions") + "_total", "model_name, mode, reason"),
+                    "{{mode}} ({{reason}}) {{model_name}}",
+                )
+            ],
             "ops",
         ),
         panel(

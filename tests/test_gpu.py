@@ -76,3 +76,35 @@ def test_async_scheduling_on_cuda_matches_sync():
     for rid, (tokens, text, logprobs, reason) in outs[False].items():
         assert outs[True][rid][0] == tokens and outs[True][rid][1] == text and outs[True][rid][3] == reason
         assert [v for _, v in outs[True][rid][2]] == pytest.approx([v for _, v in logprobs], abs=1e-4)
+
+
+def test_pinned_cpu_tier_takes_exactly_its_size(monkeypatch):
+    """The CPU tier is not torch's pinned allocator (which rounds up to a power of two): it pins
+    exactly its blocks, registered in slabs, and copies across slab boundaries are exact."""
+    from superinfer.engine.worker import host_memory
+
+    block = 2 << 20
+    monkeypatch.setattr(host_memory, "SLAB_BYTES", 3 * block)  # two whole blocks per slab
+    allocated = torch.cuda.host_memory_stats().get("allocated_bytes.allocated", 0)
+    n = 9 * block  # not a power of two
+    cpu = host_memory.host_tensor(n, pin=True, align=block)
+    assert cpu.nbytes == n and cpu.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.allocated", 0) == allocated
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    cpu.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(cpu, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    del cpu  # unregisters every slab; a second tensor over fresh memory pins again
+    assert host_memory.host_tensor(n, pin=True, align=block).is_pinned()
+
+
+def test_engine_cpu_tier_on_cuda_is_pinned_at_the_requested_size():
+    gib = 0.0123  # no power of two
+    core = EngineCore(
+        EngineConfig(model="tiny", device="cuda", dtype="float32", policy="rotary", num_gpu_blocks=20, cpu_kv_gib=gib)
+    )
+    tier = core.runner.duplex.cpu
+    assert core.kv.cpu.num_blocks == int(gib * (1 << 30)) // core.block_bytes
+    assert tier.nbytes == core.kv.cpu.num_blocks * core.block_bytes and tier.is_pinned()

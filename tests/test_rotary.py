@@ -77,8 +77,30 @@ def test_greedy_outputs_identical_with_frequent_rotation(policy, unpressured):
 def test_cpu_tier_full_falls_back_to_recompute(unpressured):
     tight = engine("tiny", max_model_len=256, policy="rotary", num_gpu_blocks=20, num_cpu_blocks=3)
     assert run(tight, PROMPTS, SAMPLING) == unpressured
-    assert tight.scheduler.counters.preemptions["recompute"] > 0
+    counters = tight.scheduler.counters
+    assert counters.preemption_reasons[("recompute", "cpu_full")] > 0  # the too-small tier shows
+    for mode, n in counters.preemptions.items():  # the reasons split the totals
+        assert n == sum(k for (m, _), k in counters.preemption_reasons.items() if m == mode)
+    exported = tight.metrics.registry.get_sample_value(
+        "superinfer_engine_preemptions_total", {"model_name": "tiny", "mode": "recompute", "reason": "cpu_full"}
+    )
+    assert exported == counters.preemption_reasons[("recompute", "cpu_full")]
     assert tight.kv.pool.num_free == tight.kv.num_blocks and tight.kv.cpu.num_free == 3
+
+
+def test_write_through_goes_first_to_the_next_rotation_victim_when_the_tier_is_short():
+    """A CPU tier too small for every running request's full blocks: the request the policy would
+    rotate out next (here the lower priority one, though admitted second) gets them first, so it
+    can leave with a one-block copy."""
+    s = rotary_scheduler(num_blocks=32, num_cpu_blocks=3)
+    keep, leave = make_request("keep", 16, first_token=1), make_request("leave", 16, first_token=50)
+    keep.priority = 1
+    for r in (keep, leave):
+        s.add(r)
+    step(s)  # both prefill 16 tokens: 4 full blocks each, written through once final (next step)
+    assert [r.request_id for r in s.running] == ["keep", "leave"]
+    step(s)
+    assert len(leave.cpu_block_ids) == 3 and keep.cpu_block_ids == []
 
 
 def test_full_cpu_tier_with_chunked_prefill_does_not_livelock():

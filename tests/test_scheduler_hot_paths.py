@@ -61,6 +61,7 @@ class ReferenceScheduler(Scheduler):
     def _take(self, req: Request, n: int, step) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += n
+        req.step_before_last, req.last_step = req.last_step, step.id
         step.budget -= n
         token_ids = req.token_ids[start : start + n]
         token_ids += [PLACEHOLDER] * (n - len(token_ids))
@@ -75,11 +76,25 @@ class ReferenceScheduler(Scheduler):
 
     def _write_through(self, step) -> None:
         start_pos = {seq.request_id: seq.start_pos for seq in step.seqs}
+        order: list[Request] = []
+        done: dict[str, int] = {}
+        total = 0
         for req in self.running:
+            complete = start_pos.get(req.request_id, req.num_computed_tokens)
+            n = self.kv.unwritten_blocks(req, complete)
+            if n > 0:
+                order.append(req)
+                done[req.request_id] = complete
+                total += n
+        if len(order) > 1 and total > min(step.transfer_left, self.kv.cpu.num_free):
+            order = self.policy.rotation_order(order, step.now)
+        for req in order:
             if step.transfer_left <= 0:
                 break
-            done = start_pos.get(req.request_id, req.num_computed_tokens)
-            copies = self.kv.write_through(req, step.transfer_left, step.id, done)
+            copies = self.kv.write_through(req, step.transfer_left, step.id, done[req.request_id])
+            if copies:
+                written = req.step_before_last if req.last_step == step.id else req.last_step
+                step.swap_out_after = max(step.swap_out_after, written)
             step.swap_out += copies
             step.transfer_left -= len(copies)
 
@@ -230,7 +245,16 @@ def plan_digest(plan: StepPlan) -> tuple:
         (q.request_id, q.token_ids, q.start_pos, q.block_ids, q.sample, q.sampling, q.banned_token_ids)
         for q in plan.seqs
     ]
-    return plan.step_id, seqs, plan.swap_out, plan.swap_in, plan.released, plan.num_tokens
+    return (
+        plan.step_id,
+        seqs,
+        plan.swap_out,
+        plan.swap_in,
+        plan.swap_out_after,
+        plan.swap_in_after,
+        plan.released,
+        plan.num_tokens,
+    )
 
 
 def state_digest(s: Scheduler) -> tuple:
@@ -244,6 +268,8 @@ def state_digest(s: Scheduler) -> tuple:
             r.block_ids,
             r.cpu_block_ids,
             r.cpu_tail,
+            r.last_step,
+            r.step_before_last,
             r.token_gaps,
             r.max_gap_s,
             r.t_first_token,
@@ -273,7 +299,13 @@ def run_both(seed: int) -> Scheduler:
     bs, gpu_blocks = rng.choice([4, 8, 16]), rng.randint(8, 120)
     cpu_blocks = rng.choice([3, 20, 400]) if kind in ("watermark", "rotary") else rng.choice([0, 3, 20, 400])
     xfer = rng.choice([4, 16, 2400])
-    config = SchedulerConfig(rng.choice([4, 16, 64]), rng.choice([16, 64, 512]), rng.choice([64, 256]), xfer)
+    config = SchedulerConfig(
+        rng.choice([4, 16, 64]),
+        rng.choice([16, 64, 512]),
+        rng.choice([64, 256]),
+        xfer,
+        write_through=rng.random() < 0.8,
+    )
     prefix_caching = rng.random() < 0.8
     clocks = Clock(), Clock()
     fast_policy, ref_policy = policy_pair(kind, gpu_blocks, xfer)

@@ -10,18 +10,21 @@ block never changes again, so it is copied to the CPU tier as soon as it fills (
 write-through); rotating a request out then only copies its partial tail, and rotating it back in
 reuses its blocks still cached on the GPU and copies in only the rest.
 
-Safety: a block released while a copy of a submitted step still reads or writes it is
-quarantined with that step's id as a fence, and returns to the free list only when the engine
-reports the step complete; so no block is both a copy source and a copy destination in one step,
-and no block is reused under a copy. Blocks only the model's compute touches are free at once:
-every later use of a block on the device is ordered after the compute already submitted (the
-compute stream runs steps in order, copy-in waits on the previous step's compute event), so the
-host may hand them out while a step still runs (async scheduling).
+Safety, with async scheduling (the host plans step t+1 while step t runs on the device):
+- a block released while a copy of an unfinished step reads or writes it is quarantined with that
+  step's id as a fence, and returns to the free list only when the engine reports the step
+  complete; so no block is reused under a copy;
+- a block released while the compute of an unfinished step may still touch it (the releasing
+  request ran in that step) is free at once for compute, which runs steps in order on one lane,
+  but carries the step as a fence: copies are not ordered with compute, so the pool hands such
+  blocks to copy-ins last, and a copy-in that gets one waits for that step's compute
+  (`StepPlan.swap_in_after`). Copy-in of step t+1 otherwise overlaps step t's compute.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -52,6 +55,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
         self.copying: dict[int, int] = {}  # block -> the newest step with a copy from or to it
+        self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
+        self.completed = 0  # every step up to this one is done
 
     @property
     def num_free(self) -> int:
@@ -65,13 +70,25 @@ class BlockPool:
         """Take n free blocks, evicting the least recently freed cached ones first."""
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
-        out = []
-        for _ in range(n):
-            block, _ = self.free.popitem(last=False)
-            self._drop_hash(block)
-            self.ref_cnt[block] = 1
-            out.append(block)
-        return out
+        return [self._take(self.free.popitem(last=False)[0]) for _ in range(n)]
+
+    def allocate_for_copy(self, n: int) -> tuple[list[int], int]:
+        """Take n free blocks for a copy to write, those no unfinished compute touches first.
+        Returns the blocks and the newest unfinished step whose compute touches one (0: none)."""
+        if not self.computing:
+            return self.allocate(n), 0
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
+        clean = [b for b in itertools.islice(self.free, n + len(self.computing)) if b not in self.computing][:n]
+        for block in clean:
+            del self.free[block]
+        out = [self._take(b) for b in clean] + self.allocate(n - len(clean))
+        return out, max((self.computing.get(b, 0) for b in out), default=0)
+
+    def _take(self, block: int) -> int:
+        self._drop_hash(block)
+        self.ref_cnt[block] = 1
+        return block
 
     def touch(self, block: int) -> None:
         """Take one more reference to a block found in the prefix cache."""
@@ -84,24 +101,31 @@ class BlockPool:
         for block in blocks:
             self.copying[block] = step
 
-    def release(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block. A block reaching zero goes to the free list's tail,
-        or, while a copy of an unfinished step touches it, into quarantine until that step retires."""
+    def release(self, blocks: Iterable[int], computed_in: int = 0) -> None:
+        """Drop one reference to each block, held by a request last computed in step
+        `computed_in`. A block reaching zero goes to the free list's tail, or, while a copy of an
+        unfinished step touches it, into quarantine until that step retires."""
+        fence = computed_in if computed_in > self.completed else 0
         for block in blocks:
+            if fence and self.computing.get(block, 0) < fence:
+                self.computing[block] = fence
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] < 0:
                 raise RuntimeError(f"block {block} released more often than it was taken")
             if self.ref_cnt[block] == 0:
-                fence = self.copying.get(block)
-                if fence is None:
+                copy_fence = self.copying.get(block)
+                if copy_fence is None:
                     self.free[block] = None
                 else:
-                    self.held[block] = fence
+                    self.held[block] = copy_fence
 
     def retire(self, completed_step: int) -> None:
         """Steps up to `completed_step` are done: their copies are over, their quarantine is free."""
+        self.completed = max(self.completed, completed_step)
         if self.copying:
             self.copying = {b: step for b, step in self.copying.items() if step > completed_step}
+        if self.computing:
+            self.computing = {b: step for b, step in self.computing.items() if step > completed_step}
         done = [b for b, fence in self.held.items() if fence <= completed_step]
         for block in done:
             del self.held[block]
@@ -230,7 +254,7 @@ class KVCacheManager:
 
         Blocks an unfinished copy touches stay quarantined until its step completes.
         """
-        self.pool.release(reversed(req.block_ids))
+        self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
         if self.cpu:
             self.cpu.release(reversed(req.cpu_block_ids))
@@ -240,6 +264,10 @@ class KVCacheManager:
         req.cpu_tail = None
 
     # --- the CPU tier ------------------------------------------------------------------------
+    def unwritten_blocks(self, req: Request, complete_tokens: int) -> int:
+        """Full blocks of the request's first `complete_tokens` tokens with no CPU copy yet."""
+        return max(0, min(complete_tokens // self.block_size, len(req.block_ids)) - len(req.cpu_block_ids))
+
     def write_through(
         self, req: Request, budget: int, step: int, complete_tokens: int | None = None
     ) -> list[tuple[int, int]]:
@@ -297,7 +325,7 @@ class KVCacheManager:
             req.cpu_tail = tail
             copies.append((req.block_ids[req.num_computed_tokens // self.block_size], tail))
             self._copying([copies[-1][0]], [tail], step)
-        self.pool.release(reversed(req.block_ids))
+        self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
         return copies
 
@@ -315,8 +343,9 @@ class KVCacheManager:
         taken += self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
         return taken, copies
 
-    def swap_in(self, req: Request, num_new_tokens: int, step: int) -> list[tuple[int, int]]:
-        """Bring a rotary request's KV back; returns the copies (cpu, gpu).
+    def swap_in(self, req: Request, num_new_tokens: int, step: int) -> tuple[list[tuple[int, int]], int]:
+        """Bring a rotary request's KV back; returns the copies (cpu, gpu) and the unfinished step
+        whose compute still touches a destination block (0: none; the copy-in must wait for it).
 
         The caller has checked `swap_in_need` against the free pool. Its own full blocks still
         cached on the GPU are reused without a copy.
@@ -328,18 +357,20 @@ class KVCacheManager:
         for block in hits:
             if block is not None:
                 self.pool.touch(block)
-        copies: list[tuple[int, int]] = []
-        for i, (cpu_block, block) in enumerate(zip(req.cpu_block_ids, hits, strict=True)):
+        sources = [c for c, hit in zip(req.cpu_block_ids, hits, strict=True) if hit is None]
+        if req.cpu_tail is not None:
+            sources.append(req.cpu_tail)
+        dests, after = self.pool.allocate_for_copy(len(sources))
+        fresh = iter(dests)
+        for i, block in enumerate(hits):
             if block is None:
-                (block,) = self.pool.allocate(1)
+                block = next(fresh)
                 if self.enable_prefix_caching:
                     self.pool.register(block, hashes[i])
-                copies.append((cpu_block, block))
             req.block_ids.append(block)
         if req.cpu_tail is not None:
-            (block,) = self.pool.allocate(1)
-            req.block_ids.append(block)
-            copies.append((req.cpu_tail, block))
+            req.block_ids.append(next(fresh))
+        copies = list(zip(sources, dests, strict=True))
         if copies:
             self._copying((g for _, g in copies), (c for c, _ in copies), step)
         if req.cpu_tail is not None:
@@ -348,4 +379,4 @@ class KVCacheManager:
         growth = self.growth_blocks(req, num_new_tokens)
         if growth:
             req.block_ids.extend(self.pool.allocate(growth))
-        return copies
+        return copies, after

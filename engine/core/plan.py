@@ -42,6 +42,10 @@ class StepPlan:
     # Block copies between tiers, (src, dst) pairs; executed before the model step reads them.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # GPU block -> CPU block
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # CPU block -> GPU block
+    # The unfinished step whose compute each direction must wait for (0: none). Copy-out: the step
+    # that wrote its source blocks. Copy-in: a step whose compute still touches a destination.
+    swap_out_after: int = 0
+    swap_in_after: int = 0
     # Requests that ended since the last plan: the runner drops any per-request state.
     released: list[str] = field(default_factory=list)
 

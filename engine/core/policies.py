@@ -45,6 +45,10 @@ class Policy(Protocol):
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request: ...
 
+    def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
+        """Running requests, the likeliest to be rotated out next first."""
+        ...
+
 
 def by_arrival(requests: Sequence[Request]) -> list[Request]:
     return sorted(requests, key=lambda r: r.arrival_time)
@@ -60,6 +64,9 @@ class FCFSPolicy:
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """The running request to preempt when blocks run out: the most recently admitted."""
         return candidates[-1]
+
+    def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
+        return list(running)  # never rotates
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,10 @@ class RotaryPolicy:
         """Out of blocks mid-step: the candidate with the smallest VLT (the longest running)."""
         return min(candidates, key=lambda r: virtual_lag_time(r, now, self.params))
 
+    def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
+        """The reverse of `decide`'s ranking: lowest priority, TBT already missed, longest running."""
+        return sorted(running, key=lambda r: (r.priority, not r.tbt_missed, virtual_lag_time(r, now, self.params)))
+
 
 class WatermarkPolicy:
     name = "watermark"
@@ -284,6 +295,9 @@ class WatermarkPolicy:
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         return candidates[-1]
+
+    def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
+        return sorted(running, key=lambda r: r.t_run or 0.0)  # the oldest first, as `decide` rotates
 
 
 def make_policy(name: str, rotary: RotaryParams | None = None, num_gpu_blocks: int = 0) -> Policy:

@@ -73,6 +73,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
     cpu_block_ids: list[int] = field(default_factory=list)  # CPU copies of its first full blocks
     cpu_tail: int | None = None  # CPU copy of its partial last block while rotated out
+    last_step: int = 0  # the newest step that computes with its blocks
+    step_before_last: int = 0  # the one before (wrote the blocks that filled up before last_step)
     num_rotations: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at first admission
     num_preemptions: int = 0

@@ -39,6 +39,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     transfer_budget_blocks: int = 2400
+    write_through: bool = True  # copy full blocks to the CPU tier as they fill (else only on rotation)
 
     def __post_init__(self) -> None:
         if (
@@ -55,7 +56,16 @@ class SchedulerCounters:
     """Monotonic counters; the metrics layer exports their increments."""
 
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    # The same preemptions by (mode, reason): swap for "policy" (chosen to rotate out) or
+    # "gpu_full" (out of GPU blocks mid-step); recompute for "gpu_full" (no rotation possible),
+    # "cpu_full" (the CPU tier had no room) or "transfer_budget" (the copies exceed a step's budget).
+    preemption_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
     rotations: int = 0
+
+    def preempted(self, mode: str, reason: str) -> None:
+        self.preemptions[mode] += 1
+        key = (mode, reason)
+        self.preemption_reasons[key] = self.preemption_reasons.get(key, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ class _Step:
     requests: list[Request] = field(default_factory=list)  # the request of each seq
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out_after: int = 0  # see StepPlan
+    swap_in_after: int = 0
     preempted: bool = False
     writes_through: bool = False  # full blocks are copied to the CPU tier as they fill
     # Tokens with final KV before this step, of the requests that may have blocks to write through.
@@ -184,13 +196,13 @@ class Scheduler:
         step = _Step(
             self._step_id, self.clock(), self.config.max_num_batched_tokens, self.config.transfer_budget_blocks
         )
-        step.writes_through = self.policy.uses_cpu_tier and self.kv.cpu is not None
+        step.writes_through = self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None
         decision = self.policy.decide(self, step.now)
         if decision.token_budget is not None:
             step.budget = min(step.budget, decision.token_budget)
         budget = step.budget
         for req in decision.rotate_out:
-            if not self._rotate_out(req, step):
+            if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
         self._serve_running(step)
         if not step.preempted:
@@ -203,21 +215,14 @@ class Scheduler:
         self._submitted[step.id] = _Submitted(step.requests, step.now, StepShape(tokens, context))
         released, self._released = self._released, []
         return StepPlan(
-            step_id=step.id, seqs=step.seqs, swap_out=step.swap_out, swap_in=step.swap_in, released=released
+            step_id=step.id,
+            seqs=step.seqs,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
+            swap_out_after=step.swap_out_after,
+            swap_in_after=step.swap_in_after,
+            released=released,
         )
-
-    def _write_through(self, step: _Step) -> None:
-        """With the transfer budget left, copy newly full blocks to the CPU tier, in running order."""
-        bs = self.kv.block_size
-        for req in filter(self._unwritten.__contains__, self.running):
-            if step.transfer_left <= 0:
-                break
-            done = step.start_pos.get(req.request_id, req.num_computed_tokens)
-            copies = self.kv.write_through(req, step.transfer_left, step.id, done)
-            step.swap_out += copies
-            step.transfer_left -= len(copies)
-            if len(req.cpu_block_ids) >= min(req.num_computed_tokens // bs, len(req.block_ids)):
-                self._unwritten.discard(req)  # written up to its computed tokens, this step's included
 
     def _serve_running(self, step: _Step) -> None:
         running, kv = self.running, self.kv
@@ -256,6 +261,7 @@ class Scheduler:
             if start >= len(req.block_ids) * bs and not kv.allocate(req, 1):
                 break  # allocate changed nothing
             req.num_computed_tokens = start + 1
+            req.step_before_last, req.last_step = req.last_step, step.id
             budget -= 1
             if writes_through and (req in unwritten or (start + 1) % bs == 0):
                 self._track_filled(req, start, start + 1, step)
@@ -281,14 +287,15 @@ class Scheduler:
                 blocks, copies = self.kv.swap_in_need(req, n)
                 if copies > self.config.transfer_budget_blocks:
                     self.rotary.remove(req)  # it could never come back within a step's budget
-                    self._recompute(req)
+                    self._recompute(req, "transfer_budget")
             if req.status is RequestStatus.ROTARY:
                 if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
                     if strict:
                         return
                     continue
-                moved = self.kv.swap_in(req, n, step.id)
+                moved, after = self.kv.swap_in(req, n, step.id)
                 step.swap_in += moved
+                step.swap_in_after = max(step.swap_in_after, after)
                 step.transfer_left -= len(moved)
                 self.rotary.remove(req)
             else:
@@ -376,6 +383,7 @@ class Scheduler:
     def _take(self, req: Request, n: int, step: _Step) -> None:
         start = req.num_computed_tokens
         end = req.num_computed_tokens = start + n
+        req.step_before_last, req.last_step = req.last_step, step.id
         step.budget -= n
         if step.writes_through:
             self._track_filled(req, start, end, step)
@@ -389,13 +397,46 @@ class Scheduler:
         if sample:
             req.num_pending_tokens += 1
 
-    def _rotate_out(self, req: Request, step: _Step) -> bool:
+    def _write_through(self, step: _Step) -> None:
+        """Copy the running requests' newly full blocks to the CPU tier, within the transfer
+        budget. When the budget or the tier's free blocks cannot take them all, the policy's
+        likeliest next rotation victims go first: rotating one out then copies only its tail.
+
+        Only the requests in `_unwritten` can have such blocks: the others are not looked at."""
+        candidates = list(filter(self._unwritten.__contains__, self.running))
+        order: list[Request] = []
+        done: dict[str, int] = {}  # tokens with final KV before this step
+        total = 0
+        for req in candidates:
+            complete = step.start_pos.get(req.request_id, req.num_computed_tokens)
+            n = self.kv.unwritten_blocks(req, complete)
+            if n > 0:
+                order.append(req)
+                done[req.request_id] = complete
+                total += n
+        if len(order) > 1 and total > min(step.transfer_left, self.kv.cpu.num_free):
+            order = self.policy.rotation_order(order, step.now)
+        for req in order:
+            if step.transfer_left <= 0:
+                break
+            copies = self.kv.write_through(req, step.transfer_left, step.id, done[req.request_id])
+            if copies:  # blocks full before this step: written by the request's compute before it
+                written = req.step_before_last if req.last_step == step.id else req.last_step
+                step.swap_out_after = max(step.swap_out_after, written)
+            step.swap_out += copies
+            step.transfer_left -= len(copies)
+        for req in candidates:
+            if not self.kv.unwritten_blocks(req, req.num_computed_tokens):
+                self._unwritten.discard(req)  # written up to its computed tokens, this step's included
+
+    def _rotate_out(self, req: Request, step: _Step, reason: str) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
         if step.transfer_left < self.kv.swap_out_cost(req):
             return False
         copies = self.kv.swap_out(req, step.id)
         if copies is None:
             return False
+        step.swap_out_after = max(step.swap_out_after, req.last_step)
         self.running.remove(req)
         self._unwritten.discard(req)
         step.swap_out += copies
@@ -403,19 +444,22 @@ class Scheduler:
         req.status = RequestStatus.ROTARY
         req.num_rotations += 1
         self.counters.rotations += 1
-        self.counters.preemptions["swap"] += 1
+        self.counters.preempted("swap", reason)
         self.rotary.append(req)
         return True
 
     def _evict(self, req: Request, step: _Step) -> None:
         """A running request must give up its blocks (another ran out): rotate it to the CPU tier
         if the policy uses one and it fits, else preempt it by recompute (blocks freed, tokens kept)."""
-        if self.policy.uses_cpu_tier and req.in_decode and self._rotate_out(req, step):
-            return
+        reason = "gpu_full"
+        if self.policy.uses_cpu_tier and req.in_decode:
+            if self._rotate_out(req, step, "gpu_full"):
+                return
+            reason = "transfer_budget" if step.transfer_left < self.kv.swap_out_cost(req) else "cpu_full"
         self.running.remove(req)
-        self._recompute(req)
+        self._recompute(req, reason)
 
-    def _recompute(self, req: Request) -> None:
+    def _recompute(self, req: Request, reason: str) -> None:
         """Drop the request's KV in both tiers; it waits at the front and is prefilled again
         (its tokens are kept, and its blocks still cached on the GPU are found again)."""
         self.kv.free(req)
@@ -423,7 +467,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.counters.preemptions["recompute"] += 1
+        self.counters.preempted("recompute", reason)
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:

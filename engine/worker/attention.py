@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from superinfer.engine.worker.host_memory import host_tensor
+
 # Padding (in keys, or in queries for first chunks) a sequence may carry to share a group: what a
 # group costs in fixed overhead on a CPU is about the time of this many keys per sequence.
 PAD_TOKENS = 64
@@ -43,9 +45,12 @@ def allocate_kv_cache(
     device: torch.device | str,
     pin_memory: bool = False,
 ) -> torch.Tensor:
+    """A zeroed cache. In host memory it takes exactly its size (no power-of-two rounding), and
+    with `pin_memory` it is registered for asynchronous CUDA copies (see host_memory)."""
     shape = (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)
-    if pin_memory:
-        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    if torch.device(device).type == "cpu":
+        block_bytes = num_layers * 2 * block_size * kv_heads * head_dim * dtype.itemsize
+        return host_tensor(num_blocks * block_bytes, pin=pin_memory, align=block_bytes).view(dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -1,27 +1,40 @@
-"""DuplexKV: one step's block copies between the GPU and CPU tiers, both directions at once.
+"""DuplexKV: one step's block copies between the GPU and CPU tiers, overlapped with the model.
 
 Block-first layout makes one block (all layers) one contiguous region, so a copy is a slice of
 the cache tensor. Runs of consecutive blocks on both sides are coalesced into one copy each.
-On CUDA each direction has its own stream, so GPU->CPU and CPU->GPU are in flight together,
-ordered against the model with events only (no host sync until a step's results are read):
-- copy-out (GPU->CPU) waits on the compute of the step submitted before it (blocks that step
-  wrote are final), then overlaps this step's compute;
-- copy-in (CPU->GPU) waits on that same compute (its destinations may have been freed since that
-  step was submitted) and on the previous copy-out (it may read CPU blocks that copy-out writes);
-  the compute stream waits on the copy-in event before the model reads the blocks;
-- `computed()` records the step's compute event once its model work is enqueued; `finish()`
-  waits for it and both copies before the step counts as done (only then may the scheduler
-  retire the blocks it quarantined for this step).
-With async scheduling the host plans and submits step t+1 while the GPU still runs step t; the
-events above are what keeps the two apart. On CPU the same calls are plain, synchronous copies.
+
+Each step has up to three ops (`streams.py`): copy-in (CPU -> GPU), copy-out (GPU -> CPU) and
+compute (the model step). They wait only for what they depend on:
+- copy-in waits for the copy-outs before it (it may read CPU blocks they write) and, only when
+  the plan says so (`swap_in_after`), for the compute of an unfinished step that still touches
+  one of its destination blocks (the KV manager avoids handing such blocks to copies);
+- copy-out waits for the compute of the step that wrote its blocks (`swap_out_after`);
+- compute waits for its copy-in (it reads those blocks).
+With async scheduling, step t+1's copy-in therefore runs while step t computes. Blocks a copy
+touches stay quarantined until its step finishes, so no later op reuses them under the copy.
+
+Modes (`--duplex`): `full` puts the directions on two lanes (both at once); `half` on one lane
+(in turn, copy-in first so it never queues behind a copy-out that waits for the running step);
+`serial` on the compute lane itself (copies before compute, no overlap): the ablation baseline.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.worker.streams import Access, HostStreams, Lane, Span, Streams
+
+DuplexMode = Literal["full", "half", "serial"]
+COPY_LANES: dict[str, tuple[Lane, Lane]] = {  # mode -> (copy-out lane, copy-in lane)
+    "full": ("copy_out", "copy_in"),
+    "half": ("copy_out", "copy_out"),
+    "serial": ("compute", "compute"),
+}
 
 
 def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -43,94 +56,139 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int
     return len(runs)
 
 
+def copy_access(pairs: list[tuple[int, int]], src_tier: str, dst_tier: str) -> Access:
+    return Access(frozenset((src_tier, s) for s, _ in pairs), frozenset((dst_tier, d) for _, d in pairs))
+
+
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
 @dataclass
 class CopyStats:
+    """What one step's copies moved and how they went (seconds; 0 where nothing moved).
+
+    `latency_*`: from the step's submission to the copy's end (the blocks resident in the other
+    tier); `queue_*`: from submission to the copy's start; `hidden_seconds`: the part of the
+    copies' time that ran while a model step computed."""
+
     blocks_out: int = 0
     blocks_in: int = 0
     seconds_out: float = 0.0
     seconds_in: float = 0.0
+    latency_out: float = 0.0
+    latency_in: float = 0.0
+    queue_out: float = 0.0
+    queue_in: float = 0.0
+    hidden_seconds: float = 0.0
 
+    @property
+    def copy_seconds(self) -> float:
+        return self.seconds_out + self.seconds_in
 
-Span = tuple[torch.cuda.Event, torch.cuda.Event]
+    @property
+    def hidden_ratio(self) -> float | None:
+        """Share of the copies' time hidden under compute; None without copies."""
+        return self.hidden_seconds / self.copy_seconds if self.copy_seconds > 0 else None
 
 
 @dataclass
 class StepCopies:
-    """One submitted step's copies and, on CUDA, the events that tell when they and its compute end."""
+    """One submitted step's ops: its copies (if any) and its compute."""
 
+    step_id: int
     stats: CopyStats
+    submitted: object  # marker: the host's "now" when the step was submitted
     copy_out: Span | None = None
     copy_in: Span | None = None
-    compute: torch.cuda.Event | None = None
-
-
-def _copy_on(
-    stream: torch.cuda.Stream,
-    waits: list[torch.cuda.Event],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    pairs: list[tuple[int, int]],
-) -> Span:
-    """Copy blocks on `stream` once `waits` have happened; returns the copy's (begin, end) events."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        for event in waits:
-            stream.wait_event(event)
-        begin.record()
-        copy_blocks(src, dst, pairs)
-        end.record()
-    return begin, end
+    compute: Span | None = None
 
 
 class DuplexKV:
-    def __init__(self, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        gpu_cache: torch.Tensor,
+        cpu_cache: torch.Tensor | None,
+        streams: Streams | None = None,
+        mode: DuplexMode = "full",
+    ) -> None:
+        if mode not in COPY_LANES:
+            raise ValueError(f"unknown duplex mode {mode!r}; choose one of {', '.join(COPY_LANES)}")
         self.gpu = gpu_cache
         self.cpu = cpu_cache
-        self.cuda = gpu_cache.device.type == "cuda"
-        if self.cuda:
-            self.out_stream = torch.cuda.Stream(gpu_cache.device)
-            self.in_stream = torch.cuda.Stream(gpu_cache.device)
-            self._last_compute = torch.cuda.Event()
-            self._last_compute.record()
-        self._last_out: torch.cuda.Event | None = None
+        self.streams = streams or HostStreams()
+        self.mode = mode
+        self.out_lane, self.in_lane = COPY_LANES[mode]
+        self._computes: dict[int, Span] = {}  # unfinished steps' compute
+        self._last_out: Span | None = None
+        self._previous: StepCopies | None = None  # the step submitted before the newest
 
-    def start(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> StepCopies:
-        """Issue this step's copies; on return the compute stream may run the model."""
-        step = StepCopies(CopyStats(blocks_out=len(swap_out), blocks_in=len(swap_in)))
-        if not swap_out and not swap_in:
-            return step
-        if self.cpu is None:
+    def start(self, plan: StepPlan) -> StepCopies:
+        """Issue the plan's copies; the step's compute goes through `compute`."""
+        step = StepCopies(plan.step_id, CopyStats(len(plan.swap_out), len(plan.swap_in)), self.streams.mark())
+        if (plan.swap_out or plan.swap_in) and self.cpu is None:
             raise RuntimeError("the plan moves blocks between tiers but there is no CPU tier (--cpu-kv-gib)")
-        if not self.cuda:
-            t0 = time.perf_counter()
-            copy_blocks(self.gpu, self.cpu, swap_out)
-            t1 = time.perf_counter()
-            copy_blocks(self.cpu, self.gpu, swap_in)
-            step.stats.seconds_out, step.stats.seconds_in = t1 - t0, time.perf_counter() - t1
-            return step
-        if swap_in:
-            waits = [self._last_compute] + ([self._last_out] if self._last_out is not None else [])
-            step.copy_in = _copy_on(self.in_stream, waits, self.cpu, self.gpu, swap_in)
-            torch.cuda.current_stream(self.gpu.device).wait_event(step.copy_in[1])
-        if swap_out:
-            step.copy_out = _copy_on(self.out_stream, [self._last_compute], self.gpu, self.cpu, swap_out)
-            self._last_out = step.copy_out[1]
+        if plan.swap_in:
+            after = [self._last_out] if self._last_out is not None else []
+            after += self._compute_of(plan.swap_in_after)
+            step.copy_in = self.streams.run(
+                self.in_lane,
+                lambda: copy_blocks(self.cpu, self.gpu, plan.swap_in),
+                after,
+                lambda: copy_access(plan.swap_in, "cpu", "gpu"),
+                f"copy_in {plan.step_id}",
+            )
+        if plan.swap_out:
+            step.copy_out = self._last_out = self.streams.run(
+                self.out_lane,
+                lambda: copy_blocks(self.gpu, self.cpu, plan.swap_out),
+                self._compute_of(plan.swap_out_after),
+                lambda: copy_access(plan.swap_out, "gpu", "cpu"),
+                f"copy_out {plan.step_id}",
+            )
         return step
 
-    def computed(self, step: StepCopies) -> None:
-        """The step's model work (and the copy of its results to the host) is enqueued."""
-        if self.cuda:
-            step.compute = self._last_compute = torch.cuda.Event()
-            step.compute.record()
+    def compute(self, step: StepCopies, fn: Callable[[], None], access: Callable[[], Access] | None = None) -> None:
+        """Enqueue the step's model work behind its copy-in."""
+        after = [step.copy_in] if step.copy_in is not None else []
+        step.compute = self.streams.run("compute", fn, after, access, f"compute {step.step_id}")
+        self._computes[step.step_id] = step.compute
 
     def finish(self, step: StepCopies) -> CopyStats:
-        """Wait for the step's compute and copies; returns what moved and how long it took."""
-        if step.compute is not None:
-            step.compute.synchronize()
-        if step.copy_out is not None:
-            step.copy_out[1].synchronize()
-            step.stats.seconds_out = step.copy_out[0].elapsed_time(step.copy_out[1]) / 1000.0
-        if step.copy_in is not None:
-            step.copy_in[1].synchronize()
-            step.stats.seconds_in = step.copy_in[0].elapsed_time(step.copy_in[1]) / 1000.0
+        """Wait for the step's ops; returns what its copies moved and how long they took."""
+        spans = [s for s in (step.compute, step.copy_out, step.copy_in) if s is not None]
+        for span in spans:
+            self.streams.wait(span)
+        self._measure(step)
+        self._computes.pop(step.step_id, None)
+        self._previous = step
         return step.stats
+
+    def _compute_of(self, step_id: int) -> list[Span]:
+        span = self._computes.get(step_id)
+        return [span] if span is not None else []
+
+    def _measure(self, step: StepCopies) -> None:
+        if step.copy_out is None and step.copy_in is None:
+            return
+        # Offsets from a marker taken before anything that can overlap this step's copies: the
+        # previous step's submission (its compute may still have been running).
+        ref = self._previous.submitted if self._previous is not None else step.submitted
+        s = self.streams.seconds
+
+        def interval(span: Span) -> tuple[float, float]:
+            return s(ref, span.begin), s(ref, span.end)
+
+        computes = [interval(c) for c in (step.compute,) if c is not None]
+        if self._previous is not None and self._previous.compute is not None:
+            computes.append(interval(self._previous.compute))
+        stats, submitted = step.stats, s(ref, step.submitted)
+        for span, direction in ((step.copy_out, "out"), (step.copy_in, "in")):
+            if span is None:
+                continue
+            begin, end = interval(span)
+            setattr(stats, f"seconds_{direction}", end - begin)
+            setattr(stats, f"latency_{direction}", end - submitted)
+            setattr(stats, f"queue_{direction}", max(0.0, begin - submitted))
+            if self.out_lane != "compute":
+                stats.hidden_seconds += sum(overlap((begin, end), c) for c in computes)

@@ -17,8 +17,9 @@ import torch
 
 from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
 from superinfer.engine.worker.attention import PagedAttention, SeqSpan, plan_attention
-from superinfer.engine.worker.duplex import CopyStats, DuplexKV, StepCopies
+from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies
 from superinfer.engine.worker.sampling import SampledLogprobs, sample
+from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
 
 
 def torch_threads(requested: int | None) -> int:
@@ -56,6 +57,7 @@ class SubmittedStep:
     copies: StepCopies
     request_ids: list[str] = field(default_factory=list)  # of the sampled rows, in order
     logprobs_wanted: list[int | None] = field(default_factory=list)
+    device_tokens: torch.Tensor | None = None  # what the next step's placeholders read
     tokens: torch.Tensor | None = None  # host (pinned on CUDA)
     logprobs: SampledLogprobs | None = None  # host
 
@@ -87,6 +89,17 @@ def _gather_inputs(plan: StepPlan) -> _StepInputs:
     return x
 
 
+def compute_access(plan: StepPlan, block_size: int) -> Access:
+    """The GPU blocks a step's model work reads (each context) and writes (the new tokens' slots)."""
+    reads: set[Block] = set()
+    writes: set[Block] = set()
+    for seq in plan.seqs:
+        end = -(-seq.context_len // block_size)
+        reads.update(("gpu", b) for b in seq.block_ids[:end])
+        writes.update(("gpu", b) for b in seq.block_ids[seq.start_pos // block_size : end])
+    return Access(frozenset(reads), frozenset(writes))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -95,16 +108,19 @@ class ModelRunner:
         block_size: int,
         scale: float,
         cpu_cache: torch.Tensor | None = None,
+        duplex: DuplexMode = "full",
+        streams: Streams | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.duplex = DuplexKV(kv_cache, cpu_cache)
+        self.device = kv_cache.device
+        if streams is None:
+            streams = CudaStreams(self.device) if self.device.type == "cuda" else HostStreams()
+        self.duplex = DuplexKV(kv_cache, cpu_cache, streams, duplex)
         self.block_size = block_size
         self.scale = scale
-        self.device = kv_cache.device
         self.generators: dict[str, torch.Generator] = {}
-        # The last submitted step's sampled tokens (on the device) and whose they are.
-        self._previous: tuple[list[str], torch.Tensor | None] = ([], None)
+        self._previous: SubmittedStep | None = None  # whose sampled tokens fill the next placeholders
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
@@ -124,16 +140,21 @@ class ModelRunner:
         """Run the plan's copies and model step; returns once both are complete."""
         return self.collect(self.submit(plan))
 
-    @torch.inference_mode()
     def submit(self, plan: StepPlan) -> SubmittedStep:
         """Enqueue the plan's copies, model step and sampling; on CUDA this does not wait for them."""
-        for request_id in plan.released:
-            self.generators.pop(request_id, None)
-        step = SubmittedStep(plan, self.duplex.start(plan.swap_out, plan.swap_in))
-        previous, self._previous = self._previous, ([], None)
-        if plan.seqs:
-            self._forward(plan, step, previous)
-        self.duplex.computed(step)
+        step = SubmittedStep(plan, self.duplex.start(plan))
+        step.request_ids = [s.request_id for s in plan.seqs if s.sample]
+        previous, self._previous = self._previous, step
+        inputs = _gather_inputs(plan) if plan.seqs else None  # on the host, now: the plan is not kept
+
+        @torch.inference_mode()
+        def work() -> None:
+            for request_id in plan.released:
+                self.generators.pop(request_id, None)
+            if inputs is not None:
+                self._forward(plan, inputs, step, previous)
+
+        self.duplex.compute(step.copies, work, lambda: compute_access(plan, self.block_size))
         return step
 
     def collect(self, step: SubmittedStep) -> StepOutput:
@@ -158,12 +179,11 @@ class ModelRunner:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t, non_blocking=True)
 
-    def _forward(self, plan: StepPlan, step: SubmittedStep, previous: tuple[list[str], torch.Tensor | None]) -> None:
-        x = _gather_inputs(plan)
+    def _forward(self, plan: StepPlan, x: _StepInputs, step: SubmittedStep, previous: SubmittedStep | None) -> None:
         input_ids = self._tensor(x.input_ids)
         if x.placeholder_rows:
-            prev_ids, prev_tokens = previous
-            row_of = {rid: i for i, rid in enumerate(prev_ids)}
+            prev_tokens = previous.device_tokens if previous is not None else None
+            row_of = {rid: i for i, rid in enumerate(previous.request_ids)} if previous is not None else {}
             missing = [rid for rid in x.placeholder_ids if rid not in row_of]
             if missing or prev_tokens is None:
                 raise RuntimeError(f"the previous step sampled no token for {missing}: stale placeholders")
@@ -178,8 +198,7 @@ class ModelRunner:
         params = [s.sampling for s in sampling]
         gens = [self._generator(s.request_id, s.sampling.seed) for s in sampling]
         tokens, logprobs = sample(logits, params, gens, [s.banned_token_ids for s in sampling])
-        step.request_ids = [s.request_id for s in sampling]
-        self._previous = (step.request_ids, tokens)
+        step.device_tokens = tokens
         step.tokens = self._to_host(tokens)
         if logprobs is not None:
             step.logprobs_wanted = [p.logprobs for p in params]
