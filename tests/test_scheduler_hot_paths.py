@@ -242,17 +242,17 @@ def policy_pair(kind: str, gpu_blocks: int, xfer: int):
 
 def plan_digest(plan: StepPlan) -> tuple:
     seqs = [
-        (q.request_id, q.token_ids, q.start_pos, q.block_ids, q.sample, q.sampling, q.banned_token_ids)
+        (q.request_id, tuple(q.token_ids), q.start_pos, tuple(q.block_ids), q.sample, q.sampling, q.banned_token_ids)
         for q in plan.seqs
     ]
     return (
         plan.step_id,
         seqs,
-        plan.swap_out,
-        plan.swap_in,
+        tuple(plan.swap_out),
+        tuple(plan.swap_in),
         plan.swap_out_after,
         plan.swap_in_after,
-        plan.released,
+        tuple(plan.released),
         plan.num_tokens,
     )
 
@@ -314,7 +314,8 @@ def run_both(seed: int) -> Scheduler:
     both = (fast, ref)
     in_flight_limit = rng.choice([0, 1])  # synchronous, or async scheduling (one step in flight)
     prefixes = [[rng.randrange(3, 50) for _ in range(rng.randint(1, 40))] for _ in range(4)]
-    in_flight: list[StepPlan] = []
+    in_flight: list[list[StepPlan]] = []
+    handed_out: list[tuple[StepPlan, tuple]] = []
     eos, next_id = 2, 0
 
     def tick(dt: float) -> None:
@@ -348,6 +349,7 @@ def run_both(seed: int) -> Scheduler:
                 s.finish(rid, FinishReason.STOP) if stop else s.abort(rid)
         plans = [s.schedule() for s in both]
         assert plan_digest(plans[0]) == plan_digest(plans[1])
+        handed_out.append((plans[0], plan_digest(plans[0])))
         in_flight.append(plans)
         while len(in_flight) > in_flight_limit:
             plans = in_flight.pop(0)
@@ -358,6 +360,8 @@ def run_both(seed: int) -> Scheduler:
             touched = [[r.request_id for r in s.update(plan, sampled)] for s, plan in zip(both, plans, strict=True)]
             assert touched[0] == touched[1]
         assert state_digest(fast) == state_digest(ref)
+    # Plans share block tables with their requests: none changed after it was handed out.
+    assert all(plan_digest(plan) == digest for plan, digest in handed_out)
     return fast
 
 
