@@ -257,9 +257,8 @@ class KVCacheManager:
             return False
         for block in cached:
             self.pool.touch(block)
-        req.block_ids.extend(cached)
-        if need > 0:
-            req.block_ids.extend(self.pool.allocate(need))
+        # A new list, not extended in place: plans already handed out share the old one.
+        req.block_ids = [*req.block_ids, *cached, *(self.pool.allocate(need) if need > 0 else ())]
         return True
 
     def _free_taken(self, cached: Sequence[int]) -> int:

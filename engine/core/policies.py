@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from superinfer.engine.core.request import Request, RequestStatus
@@ -107,6 +109,29 @@ class TBTGuard:
     residency_s: float  # how long a request may stay on the GPU while others wait their turn
 
 
+_token_ids = attrgetter("token_ids")
+
+
+def _live_stats(groups: Iterable[Iterable[Request]]) -> tuple[int, int, float, float]:
+    """Of the requests whose TBT SLO is not lost yet: how many, their tokens, the tightest TBT
+    SLO (ms) and the oldest last token (inf if none). One pass: hot at thousands of requests."""
+    count = tokens = 0
+    min_tbt_ms = oldest = math.inf
+    for group in groups:
+        for r in group:
+            tbt_ms = r.slo.tbt_ms
+            if r.max_gap_s * 1000.0 > tbt_ms:
+                continue  # r.tbt_missed
+            count += 1
+            tokens += len(r.token_ids)
+            if tbt_ms < min_tbt_ms:
+                min_tbt_ms = tbt_ms
+            t = r.t_last_token
+            if t is not None and t < oldest:
+                oldest = t
+    return count, tokens, min_tbt_ms, oldest
+
+
 def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     """SLO-aware admission: from measured step times, how much new work the requests that already
     stream tokens (running, rotary, or waiting again after a recompute) can take while each still
@@ -121,13 +146,12 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     model = sched.step_time
     if not model.ready:
         return None
-    streaming = [*sched.running, *sched.rotary, *(r for r in sched.waiting if r.t_first_token is not None)]
-    live = [r for r in streaming if not r.tbt_missed]
-    if not live:
+    restarted = [r for r in sched.waiting if r.t_first_token is not None]
+    d, tokens, min_tbt_ms, oldest = _live_stats((sched.running, sched.rotary, restarted))
+    if not d:
         return None
-    kv, d = sched.kv, len(live)
-    turn = headroom * min(r.slo.tbt_ms for r in live) / 1000.0
-    tokens = sum(r.num_tokens for r in live)
+    kv = sched.kv
+    turn = headroom * min_tbt_ms / 1000.0
     fit = max(1, min(sched.config.max_num_seqs, kv.num_blocks * d // max(1, kv.blocks_for(tokens) + d)))
 
     def gap(num_live: int) -> float:
@@ -140,13 +164,25 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     allowed = 0
     # What the model predicts, and what the streaming requests feel: none starts while one of them
     # has already waited a whole turn for its next token.
-    if all(now - r.t_last_token < turn for r in live if r.t_last_token is not None):
+    if now - oldest < turn:
         allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
-    budget = model.tokens_within(step_s, sum(r.num_tokens for r in sched.running))
+    budget = model.tokens_within(step_s, sum(map(len, map(_token_ids, sched.running))))
     residency = RESIDENCY_SHARE * turn * fit / (d - fit) if d > fit else math.inf
     return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
+
+
+def _growth_blocks(sched: Scheduler) -> int:
+    """GPU blocks the running requests need for their next step: kv.growth_blocks of each for its
+    next_tokens, inlined (hot at thousands of running requests)."""
+    bs = sched.kv.block_size
+    return sum(max(0, -(-(len(r.token_ids) + r.num_pending_tokens) // bs) - len(r.block_ids)) for r in sched.running)
+
+
+def _running_rank(now: float, r: Request) -> tuple[int, bool, float]:
+    """A running request's ranking key, (-priority, r.tbt_missed, -VLT), inlined: they are many."""
+    return -r.priority, r.max_gap_s * 1000.0 > r.slo.tbt_ms, now - (r.t_run if r.t_run is not None else now)
 
 
 class RotaryPolicy:
@@ -167,7 +203,9 @@ class RotaryPolicy:
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *by_arrival(sched.rotary)]
-        free = kv.num_free_blocks - sum(kv.growth_blocks(r, sched.next_tokens(r)) for r in sched.running)
+        if not others:
+            return Decision(token_budget=budget)  # nothing to admit: no contention
+        free = kv.num_free_blocks - _growth_blocks(sched)
         costs: dict[str, tuple[int, int]] = {}
 
         def cost(r: Request) -> tuple[int, int]:
@@ -183,16 +221,15 @@ class RotaryPolicy:
         else:  # no contention: plain FCFS, rotate nothing
             return Decision(admit=by_arrival(others), token_budget=budget)
 
-        vlt = {r.request_id: virtual_lag_time(r, now, p) for r in [*sched.running, *others]}
         # Priority first (SLO classes), then the requests whose TBT can still be met, then lag;
-        # stable: arrival order on ties.
-        ranked = sorted([*sched.running, *others], key=lambda r: (-r.priority, r.tbt_missed, -vlt[r.request_id]))
+        # stable: arrival order on ties. Admission takes the non-running requests best first, and
+        # rotation the running ones worst first: each group is ranked on its own.
+        vlt = {r.request_id: virtual_lag_time(r, now, p) for r in others}
+        ranked = sorted(others, key=lambda r: (-r.priority, r.tbt_missed, -vlt[r.request_id]))
         left = free + p.transfer_budget_blocks
         xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
         admit, patient = [], []
         for r in ranked:
-            if r.status is RequestStatus.RUNNING:
-                continue
             if vlt[r.request_id] <= 0:
                 patient.append(r)  # not lagging: it takes free blocks only, never displaces a running one
                 continue
@@ -207,12 +244,13 @@ class RotaryPolicy:
                 xfer_left -= copies
         to_free = p.transfer_budget_blocks - left
         rotate_out = []
-        for r in reversed(ranked):
-            if to_free <= 0:
-                break
-            if self._may_rotate_out(sched, r, now, residency):
-                rotate_out.append(r)
-                to_free -= kv.owned_blocks(r)
+        if to_free > 0:
+            for r in reversed(sorted(sched.running, key=partial(_running_rank, now))):
+                if to_free <= 0:
+                    break
+                if self._may_rotate_out(sched, r, now, residency):
+                    rotate_out.append(r)
+                    to_free -= kv.owned_blocks(r)
         return Decision(rotate_out, admit + patient, strict_order=False, token_budget=budget)
 
     @staticmethod
@@ -222,9 +260,9 @@ class RotaryPolicy:
         its pending token."""
         stayed = now - (req.t_run if req.t_run is not None else now)
         return (
-            req.status is RequestStatus.RUNNING
+            (stayed >= residency_s or req.tbt_missed)
+            and req.status is RequestStatus.RUNNING
             and req.in_decode
-            and (stayed >= residency_s or req.tbt_missed)
             and not sched.ends_after_pending(req)
         )
 

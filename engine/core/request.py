@@ -69,7 +69,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is (or, once the step runs, will be) in the cache
     num_pending_tokens: int = 0  # sampled by a submitted step whose result is not back yet
-    block_ids: list[int] = field(default_factory=list)  # GPU block table
+    block_ids: list[int] = field(default_factory=list)  # GPU block table; plans share it, so it is replaced, not grown
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
     cpu_block_ids: list[int] = field(default_factory=list)  # CPU copies of its first full blocks
     cpu_tail: int | None = None  # CPU copy of its partial last block while rotated out

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
@@ -67,6 +68,15 @@ class SchedulerCounters:
         self.preemption_reasons[key] = self.preemption_reasons.get(key, 0) + 1
 
 
+@dataclass(frozen=True)
+class _Submitted:
+    """What update() needs of a planned step."""
+
+    requests: list[Request]  # the request of each seq
+    planned_at: float
+    shape: StepShape
+
+
 @dataclass
 class _Step:
     """What one schedule() call is building."""
@@ -83,7 +93,10 @@ class _Step:
     swap_in_after: int = 0
     swap_in_after_copy: int = 0
     preempted: bool = False
-    start_pos: dict[str, int] = field(default_factory=dict)  # tokens with final KV before this step
+    writes_through: bool = False  # full blocks are copied to the CPU tier as they fill
+    # Tokens with final KV before this step, of the requests that may have blocks to write through.
+    start_pos: dict[str, int] = field(default_factory=dict)
+    filled: list[Request] = field(default_factory=list)  # a block of theirs fills in this step
 
 
 class Scheduler:
@@ -105,7 +118,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._released: list[str] = []
         self._step_id = 0
-        self._submitted: dict[int, tuple[list[Request], float]] = {}  # step id -> (request of each seq, planned at)
+        self._submitted: dict[int, _Submitted] = {}
+        # Running requests that may have full blocks not yet written through to the CPU tier.
+        self._unwritten: set[Request] = set()
         self.step_time = StepTimeModel()
         self._t_last_update = -float("inf")
 
@@ -183,18 +198,23 @@ class Scheduler:
         step = _Step(
             self._step_id, self.clock(), self.config.max_num_batched_tokens, self.config.transfer_budget_blocks
         )
+        step.writes_through = self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None
         decision = self.policy.decide(self, step.now)
         if decision.token_budget is not None:
             step.budget = min(step.budget, decision.token_budget)
+        budget = step.budget
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
-        if self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None:
+        if step.writes_through:
             self._write_through(step)
-        self._submitted[step.id] = (step.requests, step.now)
+            self._unwritten.update(step.filled)  # their blocks are final once this step ran
+        tokens = budget - step.budget
+        context = sum(map(attrgetter("start_pos"), step.seqs)) + tokens
+        self._submitted[step.id] = _Submitted(step.requests, step.now, StepShape(tokens, context))
         released, self._released = self._released, []
         return StepPlan(
             step_id=step.id,
@@ -209,14 +229,12 @@ class Scheduler:
         )
 
     def _serve_running(self, step: _Step) -> None:
-        i = 0
-        while i < len(self.running) and step.budget > 0:
-            req = self.running[i]
-            if self.ends_after_pending(req):
-                i += 1
-                continue
+        running, kv = self.running, self.kv
+        i = self._serve_decodes(0, step)
+        while i < len(running) and step.budget > 0:
+            req = running[i]  # a prefill chunk, or a decode with no free block for it
             n = min(self.next_tokens(req), step.budget)
-            while not self.kv.allocate(req, n):
+            while not kv.allocate(req, n):
                 victim = self.policy.victim(self.running[i:], step.now)
                 self._evict(victim, step)
                 step.preempted = True
@@ -225,6 +243,40 @@ class Scheduler:
             else:
                 self._take(req, n, step)
                 i += 1
+            i = self._serve_decodes(i, step)
+
+    def _serve_decodes(self, i: int, step: _Step) -> int:
+        """Serve running[i:] while they are plain decodes (one token, and a block for it), skipping
+        those whose pending token ends them; returns where it stopped (a prefill chunk, or no free
+        block: the general path evicts). The bulk of a step with thousands of running requests:
+        _take(req, 1, step) inlined, locals hoisted."""
+        running, kv, max_len = self.running, self.kv, self.config.max_model_len
+        bs = kv.block_size
+        seqs, requests, budget = step.seqs, step.requests, step.budget
+        unwritten, writes_through = self._unwritten, step.writes_through
+        while i < len(running) and budget > 0:
+            req = running[i]
+            start, pending = req.num_computed_tokens, req.num_pending_tokens
+            if pending and req.ends_after_pending(max_len):
+                i += 1
+                continue
+            if len(req.token_ids) + pending - start != 1:
+                break
+            if start >= len(req.block_ids) * bs and not kv.allocate(req, 1):
+                break  # allocate changed nothing
+            req.num_computed_tokens = start + 1
+            req.step_before_last, req.last_step = req.last_step, step.id
+            budget -= 1
+            if writes_through and (req in unwritten or (start + 1) % bs == 0):
+                self._track_filled(req, start, start + 1, step)
+            token = PLACEHOLDER if pending else req.token_ids[start]
+            banned = req.banned_token_ids() if req.sampling.min_tokens else ()
+            seqs.append(ScheduledSeq(req.request_id, [token], start, req.block_ids, True, req.sampling, banned))
+            requests.append(req)
+            req.num_pending_tokens = pending + 1
+            i += 1
+        step.budget = budget
+        return i
 
     def _admit(self, order: list[Request], step: _Step, strict: bool) -> None:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
@@ -267,6 +319,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.t_run = step.now
             self.running.append(req)
+            if step.writes_through:
+                self._unwritten.add(req)  # its cached prefix, or blocks filled before it left
             self._take(req, n, step)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
@@ -276,58 +330,74 @@ class Scheduler:
         A request that was rotated out or preempted since the step was planned still gets its
         token; one that finished since (abort, stop string, EOS) drops it."""
         now = self.clock()
-        requests, planned_at = self._submitted.pop(plan.step_id)
+        submitted = self._submitted.pop(plan.step_id)
         if plan.seqs:
             # With async scheduling the step was planned while the one before it still ran.
-            context = sum(seq.context_len for seq in plan.seqs)
-            self.step_time.observe(StepShape(plan.num_tokens, context), now - max(planned_at, self._t_last_update))
+            self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
         touched = []
-        for req, seq in zip(requests, plan.seqs, strict=True):
-            if seq.sample:
+        # Hot at thousands of requests: Request.append_token and stop_reason are inlined, and
+        # commit_full_blocks is called only when the step filled a block.
+        max_len, bs, caching = self.config.max_model_len, self.kv.block_size, self.kv.enable_prefix_caching
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        for req, seq in zip(submitted.requests, plan.seqs, strict=True):
+            sample = seq.sample
+            if sample:
                 req.num_pending_tokens -= 1
-            if req.is_finished:
+            status = req.status
+            if status is finished:
                 continue
-            if req.status is RequestStatus.RUNNING:
-                self.kv.commit_full_blocks(req, seq.start_pos, seq.context_len)
-            if not seq.sample:
+            start, n = seq.start_pos, len(seq.token_ids)
+            if caching and status is running and start % bs + n >= bs:  # the step filled a block
+                self.kv.commit_full_blocks(req, start, start + n)
+            if not sample:
                 continue
-            req.append_token(sampled[seq.request_id])
+            token = sampled[seq.request_id]
+            req.output_token_ids.append(token)
+            req.token_ids.append(token)
             if req.t_first_token is None:
                 req.t_first_token = now
             else:
                 gap = now - req.t_last_token
                 req.token_gaps.append(gap)
-                req.max_gap_s = max(req.max_gap_s, gap)
+                if gap > req.max_gap_s:
+                    req.max_gap_s = gap
             req.t_last_token = now
-            reason = req.stop_reason(self.config.max_model_len)
-            if reason is not None:
-                self._finish(req, reason)
+            sp = req.sampling
+            if (
+                len(req.output_token_ids) >= sp.max_tokens
+                or len(req.token_ids) >= max_len
+                or token in req.eos_token_ids
+                or token in sp.stop_token_ids
+            ):  # it may have to stop: stop_reason knows when
+                reason = req.stop_reason(max_len)
+                if reason is not None:
+                    self._finish(req, reason)
             touched.append(req)
         self.kv.retire(plan.step_id)
         return touched
 
     # --- helpers ---------------------------------------------------------------------------
+    def _track_filled(self, req: Request, start: int, end: int, step: _Step) -> None:
+        """Note what _write_through needs of a request the step computes tokens [start, end) of."""
+        if req in self._unwritten:
+            step.start_pos[req.request_id] = start
+        elif end // self.kv.block_size != start // self.kv.block_size:
+            step.filled.append(req)  # nothing to write before this step: all full blocks are written
+
     def _take(self, req: Request, n: int, step: _Step) -> None:
         start = req.num_computed_tokens
-        req.num_computed_tokens += n
+        end = req.num_computed_tokens = start + n
         req.step_before_last, req.last_step = req.last_step, step.id
         step.budget -= n
-        step.start_pos[req.request_id] = start
-        token_ids = req.token_ids[start : start + n]
-        token_ids += [PLACEHOLDER] * (n - len(token_ids))
-        sample = req.num_computed_tokens == req.num_scheduled_tokens
-        step.seqs.append(
-            ScheduledSeq(
-                request_id=req.request_id,
-                token_ids=token_ids,
-                start_pos=start,
-                block_ids=list(req.block_ids),
-                sample=sample,
-                sampling=req.sampling,
-                banned_token_ids=req.banned_token_ids() if sample else (),
-            )
-        )
+        if step.writes_through:
+            self._track_filled(req, start, end, step)
+        token_ids = req.token_ids[start:end]
+        if len(token_ids) < n:
+            token_ids += [PLACEHOLDER] * (n - len(token_ids))
+        sample = end == len(req.token_ids) + req.num_pending_tokens
+        banned = req.banned_token_ids() if sample and req.sampling.min_tokens else ()
+        step.seqs.append(ScheduledSeq(req.request_id, token_ids, start, req.block_ids, sample, req.sampling, banned))
         step.requests.append(req)
         if sample:
             req.num_pending_tokens += 1
@@ -335,11 +405,14 @@ class Scheduler:
     def _write_through(self, step: _Step) -> None:
         """Copy the running requests' newly full blocks to the CPU tier, within the transfer
         budget. When the budget or the tier's free blocks cannot take them all, the policy's
-        likeliest next rotation victims go first: rotating one out then copies only its tail."""
+        likeliest next rotation victims go first: rotating one out then copies only its tail.
+
+        Only the requests in `_unwritten` can have such blocks: the others are not looked at."""
+        candidates = list(filter(self._unwritten.__contains__, self.running))
         order: list[Request] = []
         done: dict[str, int] = {}  # tokens with final KV before this step
         total = 0
-        for req in self.running:
+        for req in candidates:
             complete = step.start_pos.get(req.request_id, req.num_computed_tokens)
             n = self.kv.unwritten_blocks(req, complete)
             if n > 0:
@@ -357,6 +430,9 @@ class Scheduler:
                 step.swap_out_after = max(step.swap_out_after, written)
             step.swap_out += copies
             step.transfer_left -= len(copies)
+        for req in candidates:
+            if not self.kv.unwritten_blocks(req, req.num_computed_tokens):
+                self._unwritten.discard(req)  # written up to its computed tokens, this step's included
 
     def _rotate_out(self, req: Request, step: _Step, reason: str) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
@@ -367,6 +443,7 @@ class Scheduler:
             return False
         step.swap_out_after = max(step.swap_out_after, req.last_step)
         self.running.remove(req)
+        self._unwritten.discard(req)
         step.swap_out += copies
         step.transfer_left -= len(copies)
         req.status = RequestStatus.ROTARY
@@ -391,6 +468,7 @@ class Scheduler:
         """Drop the request's KV in both tiers; it waits at the front and is prefilled again
         (its tokens are kept, and its blocks still cached on the GPU are found again)."""
         self.kv.free(req)
+        self._unwritten.discard(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -405,6 +483,7 @@ class Scheduler:
         elif req.status is RequestStatus.ROTARY:
             self.rotary.remove(req)
         self.kv.free(req)
+        self._unwritten.discard(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
