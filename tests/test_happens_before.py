@@ -159,7 +159,7 @@ def test_happens_before_a_block_released_under_a_step_in_flight_is_not_a_copy_de
 
 def test_happens_before_a_block_released_under_a_copy_waits_for_the_next_plan_then_names_the_copy():
     pool = BlockPool(3, reuse_under_copy=True)
-    a, b, c = pool.allocate(3)
+    a, b, _ = pool.allocate(3)
     pool.copied([a], step=7)  # step 7's copy-out reads block a
     pool.release([a, b])
     assert pool.num_free == 1 and pool.num_fenced == 1  # a is quarantined while step 7 is planned
