@@ -95,6 +95,15 @@ COUNTERS = {
 }
 HISTOGRAMS = {
     "kv_swap_seconds": ("direction",),
+    # Per step's copy in a direction, direction="out" (GPU -> CPU) | "in" (CPU -> GPU); observed only
+    # when blocks moved that way. rotation_seconds: from the step's submission (just after the decision
+    # to rotate) to the blocks resident in the other tier; queue: submission to the copy's start on its
+    # stream; bandwidth: bytes over the copy's own span.
+    "rotation_seconds": ("direction",),
+    "kv_copy_queue_seconds": ("direction",),
+    "kv_copy_bandwidth_bytes_per_second": ("direction",),
+    # Per step with copies: the share of the copies' time that ran under compute (0 when serial, on CPU).
+    "kv_copy_hidden_ratio": (),
     "time_to_first_token_seconds": (SLO_CLASS_LABEL,),
     "time_between_tokens_seconds": (SLO_CLASS_LABEL,),
     "request_queue_seconds": (),

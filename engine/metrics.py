@@ -38,6 +38,11 @@ LATENCY_BUCKETS = (
     80.0,
 )
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# KV copies: rotation latency and queueing from 0.1 ms to 10 s; bandwidth 100 MB/s .. 1 TB/s in 1-2-5
+# steps (host copies, PCIe, C2C); hidden ratio in tenths (its 0 bucket counts serial and CPU copies).
+COPY_LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BANDWIDTH_BUCKETS = (1e8, 2e8, 5e8, 1e9, 2e9, 5e9, 1e10, 2e10, 5e10, 1e11, 2e11, 5e11, 1e12)
+RATIO_BUCKETS = tuple(i / 10 for i in range(11))
 
 
 class EngineMetrics:
@@ -76,6 +81,10 @@ class EngineMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", LATENCY_BUCKETS)
         self.step = histogram("scheduler_step_seconds", STEP_BUCKETS, "phase")
         self.swap_seconds = histogram("kv_swap_seconds", STEP_BUCKETS, "direction")
+        self.rotation = histogram("rotation_seconds", COPY_LATENCY_BUCKETS, "direction")
+        self.copy_queue = histogram("kv_copy_queue_seconds", COPY_LATENCY_BUCKETS, "direction")
+        self.copy_bandwidth = histogram("kv_copy_bandwidth_bytes_per_second", BANDWIDTH_BUCKETS, "direction")
+        self.copy_hidden = histogram("kv_copy_hidden_ratio", RATIO_BUCKETS)
         self.slo_target = gauge(c.SLO_TARGET_GAUGE, *c.SLO_TARGET_LABELS)
         for name, target in classes.items():
             self.slo_target.labels(model_name, "ttft", name).set(target.ttft_ms / 1000.0)
@@ -140,13 +149,23 @@ class EngineMetrics:
         if counters.rotations > self._seen.rotations:
             self._c("rotations").inc(counters.rotations - self._seen.rotations)
             self._seen.rotations = counters.rotations
-        for direction, blocks, seconds in (
-            ("gpu_to_cpu", copies.blocks_out, copies.seconds_out),
-            ("cpu_to_gpu", copies.blocks_in, copies.seconds_in),
-        ):
-            if blocks:
-                self._c("kv_swap_bytes", direction).inc(blocks * block_bytes)
-                self._child(self.swap_seconds, direction).observe(seconds)
+        self.on_copies(copies, block_bytes)
+
+    def on_copies(self, copies: CopyStats, block_bytes: int) -> None:
+        """One step's copies: each direction that moved blocks, and the hidden share once per step."""
+        for swap_direction, direction in (("gpu_to_cpu", "out"), ("cpu_to_gpu", "in")):
+            blocks = getattr(copies, f"blocks_{direction}")
+            if not blocks:
+                continue
+            seconds = getattr(copies, f"seconds_{direction}")
+            self._c("kv_swap_bytes", swap_direction).inc(blocks * block_bytes)
+            self._child(self.swap_seconds, swap_direction).observe(seconds)
+            self._child(self.rotation, direction).observe(getattr(copies, f"latency_{direction}"))
+            self._child(self.copy_queue, direction).observe(getattr(copies, f"queue_{direction}"))
+            if seconds > 0:  # a span below the clock's resolution has no measurable bandwidth
+                self._child(self.copy_bandwidth, direction).observe(blocks * block_bytes / seconds)
+        if copies.hidden_ratio is not None:
+            self._child(self.copy_hidden).observe(copies.hidden_ratio)
 
     def on_state(self, sched: Scheduler, kv: KVCacheManager) -> None:
         """Set the gauges from the scheduler and block pools as they are now (after every step,

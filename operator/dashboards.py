@@ -155,8 +155,13 @@ def _gauge_sum(name: str, by: str = "model_name") -> str:
     return f"sum by ({by}) ({metric(name)}{{{q.SEL}}})"
 
 
+BY_DIRECTION = "model_name, direction"
+DIRECTION_LEGEND = "{{direction}} {{model_name}}"
+
+
 def rotation() -> dict[str, Any]:
     swap = metric("kv_swap_bytes") + "_total"
+    hidden = metric("kv_copy_hidden_ratio")
     panels = [
         panel("Requests in the rotary (CPU) tier", [(_gauge_sum("requests_rotary"), "{{model_name}}")]),
         panel("Rotations/s", [(q.rate_sum(metric("rotations") + "_total"), "{{model_name}}")], "ops"),
@@ -187,6 +192,29 @@ def rotation() -> dict[str, Any]:
         panel(
             "KV swap time p90",
             [(q.quantile(0.9, "kv_swap_seconds", "model_name, direction"), "{{direction}} {{model_name}}")],
+            "s",
+        ),
+        panel(
+            "Rotation latency p50 / p99 (decision to blocks resident in the other tier)",
+            [
+                (q.quantile(p, "rotation_seconds", BY_DIRECTION), f"p{round(p * 100)} {DIRECTION_LEGEND}")
+                for p in (0.5, 0.99)
+            ],
+            "s",
+        ),
+        panel(
+            "KV copy bandwidth p50 (per step's copy)",
+            [(q.quantile(0.5, "kv_copy_bandwidth_bytes_per_second", BY_DIRECTION), DIRECTION_LEGEND)],
+            "Bps",
+        ),
+        panel(
+            "Copy time hidden under compute (mean per step with copies)",
+            [(f"{q.rate_sum(hidden + '_sum')} / {q.rate_sum(hidden + '_count')}", "{{model_name}}")],
+            "percentunit",
+        ),
+        panel(
+            "KV copy queueing delay p99 (submission to copy start)",
+            [(q.quantile(0.99, "kv_copy_queue_seconds", BY_DIRECTION), DIRECTION_LEGEND)],
             "s",
         ),
     ]

@@ -358,7 +358,8 @@ async def test_exported_metrics_are_exactly_the_contract():
     missing = {f for f in families if not any(n == f or n.startswith(f + "_") for n in exported)}
     # Labelled counters and histograms appear once first used (no rotation happened here).
     unused = {c.metric(n) + "_total" for n in ("preemptions", "kv_swap_bytes", "rotations")}
-    assert missing <= unused | {c.metric("kv_swap_seconds")}, missing
+    copies = ("kv_swap_seconds", "rotation_seconds", "kv_copy_queue_seconds", "kv_copy_bandwidth_bytes_per_second")
+    assert missing <= unused | {c.metric(n) for n in (*copies, "kv_copy_hidden_ratio")}, missing
     for name in c.VLLM_COMPAT_METRICS:
         assert any(n == name or n.startswith(name + "_") for n in exported), name
     # Each engine series carries exactly its family's contract labels (the dashboards group by them).
