@@ -17,6 +17,7 @@ from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
+from superinfer.engine.worker.duplex import CopyStats
 from superinfer.engine.worker.runner import SubmittedStep
 
 
@@ -33,12 +34,14 @@ def replay(
     items: Sequence[WorkItem],
     prompts: Sequence[list[int]],
     timeline: DeviceTimeline | None = None,
+    copy_stats: list[CopyStats] | None = None,
 ) -> tuple[list[RequestTiming], float]:
     """Run every item to completion; returns per-request timings and the run's duration.
 
     With a VirtualClock engine, time advances as `timeline` places each step's ops (default: the
     default costs, under the engine's duplex mode and scheduling); with a real clock, arrivals
-    wait for their wall-clock time (an open-loop load driven in-process, no HTTP).
+    wait for their wall-clock time (an open-loop load driven in-process, no HTTP). Each step's
+    measured copies are appended to `copy_stats` if given.
     """
     clock = core.clock
     virtual = isinstance(clock, VirtualClock)
@@ -50,6 +53,8 @@ def replay(
 
     def collect(step: SubmittedStep, done: float) -> None:
         result = core.runner.collect(step)
+        if copy_stats is not None:
+            copy_stats.append(result.copies)
         if virtual:
             clock.now = max(clock.now, done)
         for out in core.complete(step.plan, result, {}):

@@ -13,24 +13,38 @@ is used with dummy weights of a real architecture.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from superinfer.bench.goodput import summarize
 from superinfer.bench.record import write_result
-from superinfer.bench.replay import StepCost, VirtualClock, replay
+from superinfer.bench.replay import VirtualClock, replay
+from superinfer.bench.step_cost import DeviceTimeline
+from superinfer.bench.transfers import summarize_copies
 from superinfer.bench.workload import load_trace, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.slo import SLO
+from superinfer.engine.worker.duplex import CopyStats
+
+# The DuplexKV ablation (rotary, `--ablation`): each copy mode, and write-through off.
+ABLATION = {
+    "rotary[duplex=half]": {"duplex": "half"},
+    "rotary[duplex=serial]": {"duplex": "serial"},
+    "rotary[no-write-through]": {"write_through": False},
+}
 
 
-def run_point(args: argparse.Namespace, policy: str, rate: float) -> dict[str, float]:
+def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: object) -> dict[str, float]:
     slo = SLO(args.ttft_slo_ms, args.tbt_slo_ms)
     cpu = args.device == "cpu"
     config = EngineConfig(
         model=args.model,
         device=args.device,
         dummy_weights=not cpu,
+        # On the virtual clock the device timeline stands for a GPU, whose executor schedules async.
+        async_scheduling=True if cpu else None,
+        **variant,
         policy=policy,
         num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -54,8 +68,14 @@ def run_point(args: argparse.Namespace, policy: str, rate: float) -> dict[str, f
             max_output=args.max_output,
         )
     prompts = prompt_tokens(items, core.model_config.vocab_size, seed=args.seed)
-    timings, duration = replay(core, items, prompts, StepCost() if cpu else None)
+    timeline = DeviceTimeline(duplex=core.config.duplex, async_scheduling=core.async_scheduling) if cpu else None
+    copies: list[CopyStats] = []
+    timings, duration = replay(core, items, prompts, timeline, copies)
     report = summarize(timings, duration)
+    if timeline is not None:  # the copies' cost on the modelled device, not the CPU's own copies
+        report.update(copy_seconds=timeline.copy_seconds, copy_hidden_ratio=timeline.hidden_ratio or 0.0)
+    else:
+        report.update(summarize_copies(copies, core.block_bytes))
     counters = core.scheduler.counters
     reg, name = core.metrics.registry, core.config.model_name
     for direction in ("gpu_to_cpu", "cpu_to_gpu"):
@@ -71,11 +91,13 @@ def run_point(args: argparse.Namespace, policy: str, rate: float) -> dict[str, f
         recomputes=counters.preemptions["recompute"],
         num_gpu_blocks=core.kv.num_blocks,
     )
+    label = policy + (str(variant) if variant else "")
     print(
-        f"{policy:9s} rate {rate:6.1f}: TTFT att {report['ttft_attainment']:.2f}  TBT att "
+        f"{label:9s} rate {rate:6.1f}: TTFT att {report['ttft_attainment']:.2f}  TBT att "
         f"{report['tbt_attainment']:.2f}  goodput {report['goodput_share']:.2f} ({report['goodput_rps']:.2f} req/s)  "
         f"TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput {report['throughput_tok_s']:.0f} tok/s  "
-        f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)",
+        f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)  "
+        f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}",
         flush=True,
     )
     return report
@@ -100,6 +122,9 @@ def main() -> None:
     parser.add_argument("--output-median", type=float, default=None)
     parser.add_argument("--max-prompt", type=int, default=1024)
     parser.add_argument("--max-output", type=int, default=8192)
+    parser.add_argument(
+        "--ablation", action="store_true", help="also rotary with --duplex half, serial and --no-write-through"
+    )
     args = parser.parse_args()
     cpu = args.device == "cpu"
     # CPU defaults: the tiny model with a 64-block KV budget; lengths scaled down ~4x.
@@ -131,6 +156,8 @@ def main() -> None:
 
     rates = [float(r) for r in args.rates.split(",")]
     points = {p: [run_point(args, p, r) for r in rates] for p in args.policies.split(",")}
+    if args.ablation:
+        points.update({name: [run_point(args, "rotary", r, **v) for r in rates] for name, v in ABLATION.items()})
     top = {p: pts[-1] for p, pts in points.items()}
     figures = {"points": points}
     if "fcfs" in top and "rotary" in top:
@@ -150,7 +177,7 @@ def main() -> None:
     }
     extra = {
         "model": args.model,
-        "clock": "virtual (StepCost defaults)" if cpu else "wall",
+        "clock": "virtual: device timeline (bench/step_cost.py defaults, async scheduling)" if cpu else "wall",
         "workload": {
             "rates": rates,
             "duration_s": args.duration,
