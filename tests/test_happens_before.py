@@ -157,19 +157,21 @@ def test_happens_before_a_block_released_under_a_step_in_flight_is_not_a_copy_de
     assert pool.allocate_for_copy(1)[1] == 0
 
 
-def test_happens_before_a_block_released_under_a_copy_waits_for_the_next_plan_then_names_the_copy():
+def test_happens_before_a_block_released_under_a_copy_is_reused_from_the_next_plan_naming_the_copy():
     pool = BlockPool(3, reuse_under_copy=True)
+    pool.begin_step(7)
     a, b, _ = pool.allocate(3)
     pool.copied([a], step=7)  # step 7's copy-out reads block a
     pool.release([a, b])
     assert pool.num_free == 1 and pool.num_fenced == 1  # a is quarantined while step 7 is planned
-    pool.begin_step()  # planning step 8: step 7's copies are issued, an op can wait for them
+    pool.begin_step(8)  # step 7's copies are issued: an op of step 8 can wait for them
     assert pool.num_free == 2 and pool.copy_fence_taken == 0
     assert pool.allocate(1) == [b]  # the unfenced block first
     assert pool.allocate(1) == [a] and pool.copy_fence_taken == 7  # then the fenced one, and the step
-    pool.release([a, b])
+    pool.release([a, b])  # released while step 8 is planned, under step 7's copy: free at once
+    assert pool.num_free == 2 and pool.num_fenced == 1
     pool.retire(7)
-    pool.begin_step()
+    pool.begin_step(9)
     pool.allocate(2)
     assert pool.copy_fence_taken == 0
 

@@ -12,8 +12,8 @@ reuses its blocks still cached on the GPU and copies in only the rest.
 
 Safety, with async scheduling (the host plans step t+1 while step t runs on the device). A
 released block that an unfinished step still touches carries that step as a fence:
-- touched by a copy: a GPU block is quarantined until the next plan begins, then free but handed
-  out last, and the op that takes it waits for that step's copy-out (`StepPlan.compute_after_copy`,
+- touched by a copy: a GPU block is quarantined while that copy's plan is made, then free but
+  handed out last, and the op that takes it waits for that step's copy-out (`StepPlan.compute_after_copy`,
   `swap_in_after_copy`); a CPU block is quarantined until the step retires (the CPU tier is
   large, so nothing waits);
 - touched by compute only: free at once for compute, which runs steps in order on one lane; the
@@ -57,8 +57,9 @@ class BlockPool:
     fences on released blocks that an unfinished step may still touch.
 
     A released block that an unfinished copy touches is quarantined until that step retires, or,
-    with `reuse_under_copy`, until the next plan begins: then it is free but handed out last, and
-    whoever takes it learns the copy's step (so its op can wait for that copy)."""
+    with `reuse_under_copy`, only while the plan whose copy touches it is being made: then it is
+    free but handed out last, and whoever takes it learns the copy's step (so its op can wait for
+    that copy)."""
 
     def __init__(self, num_blocks: int, reuse_under_copy: bool = False) -> None:
         if num_blocks < 1:
@@ -74,6 +75,7 @@ class BlockPool:
         self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
         self.completed = 0  # every step up to this one is done
         self.copy_fence_taken = 0  # the newest unfinished copy touching a block `allocate` handed out
+        self.planning = 0  # the step being planned
 
     @property
     def num_free(self) -> int:
@@ -88,10 +90,11 @@ class BlockPool:
         """Released blocks an unfinished copy still touches (quarantined, or free but fenced)."""
         return len(self.held) + sum(1 for b in self.copying if self.ref_cnt[b] == 0 and b not in self.held)
 
-    def begin_step(self) -> None:
-        """A new plan starts. With `reuse_under_copy`, the blocks quarantined while the previous
-        plan was made become free (still fenced): this plan's ops can wait for those copies,
-        while the previous plan's ops could not (its copies were not yet issued)."""
+    def begin_step(self, step: int) -> None:
+        """Plan `step`. With `reuse_under_copy`, blocks under the copies of earlier steps are free
+        (fenced): those copies are issued, so this plan's ops can wait for them; blocks under
+        this plan's own copies stay quarantined until the next plan."""
+        self.planning = step
         self.copy_fence_taken = 0
         if self.reuse_under_copy and self.held:
             self.free.update(dict.fromkeys(self.held))
@@ -152,7 +155,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block} released more often than it was taken")
             if self.ref_cnt[block] == 0:
                 copy_fence = self.copying.get(block)
-                if copy_fence is None:
+                if copy_fence is None or (self.reuse_under_copy and copy_fence < self.planning):
                     self.free[block] = None
                 else:
                     self.held[block] = copy_fence

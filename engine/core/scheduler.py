@@ -194,7 +194,7 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._step_id += 1
-        self.kv.pool.begin_step()
+        self.kv.pool.begin_step(self._step_id)
         step = _Step(
             self._step_id, self.clock(), self.config.max_num_batched_tokens, self.config.transfer_budget_blocks
         )
