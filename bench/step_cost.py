@@ -71,8 +71,9 @@ class DeviceTimeline:
         self.copy_seconds += sum(b - a for a, b in spans)
         self._hide(spans, list(self.computes.values()))
         self.copies[step] = spans
-        start = max(submit, in_end, self.out_end.get(plan.compute_after_copy, 0.0))
-        end = self._occupy("compute", start, self.cost.compute(plan))
+        seconds = self.cost.compute(plan)
+        end = self._occupy("compute", max(submit, in_end, self.out_end.get(plan.compute_after_copy, 0.0)), seconds)
+        start = end - seconds
         self.computes[step] = (start, end)
         self._hide([s for recent in self.copies.values() for s in recent], [(start, end)])
         self.done[step] = max(end, in_end, out_end)

@@ -108,3 +108,21 @@ def test_engine_cpu_tier_on_cuda_is_pinned_at_the_requested_size():
     tier = core.runner.duplex.cpu
     assert core.kv.cpu.num_blocks == int(gib * (1 << 30)) // core.block_bytes
     assert tier.nbytes == core.kv.cpu.num_blocks * core.block_bytes and tier.is_pinned()
+
+
+@pytest.mark.parametrize("mode", ["full", "half", "serial"])
+def test_happens_before_on_cuda_streams_the_duplex_modes_leave_the_serial_kv(mode: str):
+    """The recorded CPU trace of tests/test_happens_before.py on real CUDA streams: every duplex
+    mode, with async scheduling, gives the serial executor's tokens and leaves bitwise the same KV
+    in both tiers as `--duplex serial` (the plans are the same; only the copies' overlap differs)."""
+    from tests.test_happens_before import BURST, serve
+
+    cuda = {"device": "cuda", "num_gpu_blocks": 20, "async_scheduling": True}
+    tokens, core = serve(BURST, **cuda, duplex=mode)
+    baseline_tokens, baseline = serve(BURST, **cuda, duplex="serial")
+    serial_cpu, _ = serve(BURST, async_scheduling=False, duplex="serial", num_gpu_blocks=20)
+    assert core.scheduler.counters.rotations > 0
+    assert tokens == baseline_tokens == serial_cpu
+    torch.cuda.synchronize()
+    assert torch.equal(core.runner.kv_cache, baseline.runner.kv_cache)
+    assert torch.equal(core.runner.duplex.cpu, baseline.runner.duplex.cpu)
