@@ -60,6 +60,12 @@ def copy_access(pairs: list[tuple[int, int]], src_tier: str, dst_tier: str) -> A
     return Access(frozenset((src_tier, s) for s, _ in pairs), frozenset((dst_tier, d) for _, d in pairs))
 
 
+def _unfinished(spans: dict[int, Span], step_id: int) -> list[Span]:
+    """The op of `step_id` to wait for: none when that step has finished (or had no such op)."""
+    span = spans.get(step_id)
+    return [span] if span is not None else []
+
+
 def overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
@@ -167,12 +173,10 @@ class DuplexKV:
         return step.stats
 
     def _compute_of(self, step_id: int) -> list[Span]:
-        span = self._computes.get(step_id)
-        return [span] if span is not None else []
+        return _unfinished(self._computes, step_id)
 
     def _copy_out_of(self, step_id: int) -> list[Span]:
-        span = self._copy_outs.get(step_id)
-        return [span] if span is not None else []
+        return _unfinished(self._copy_outs, step_id)
 
     def _measure(self, step: StepCopies) -> None:
         if step.copy_out is None and step.copy_in is None:
