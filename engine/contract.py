@@ -57,6 +57,8 @@ SERVE_FLAGS = (
     "--gpu-memory-utilization",
     "--num-gpu-blocks",
     "--cpu-kv-gib",
+    "--duplex",
+    "--no-write-through",
     "--max-num-seqs",
     "--max-num-batched-tokens",
     "--max-model-len",

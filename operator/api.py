@@ -191,6 +191,11 @@ class CPUOffload(KubeModel):
 class KVCacheSpec(KubeModel):
     cpu_offload: CPUOffload | None = None
     """The rotary CPU KV tier's size; unset, the engine sizes it from the memory the pod has left."""
+    duplex: Literal["full", "half", "serial"] = "full"
+    """How KV copies run beside the model step: full (both directions at once), half (one direction
+    at a time), serial (before the step, not overlapped: the ablation baseline)."""
+    write_through: bool = True
+    """Copy full KV blocks to the CPU tier as they fill, so a rotation copies only the last block."""
 
 
 class ResourcesSpec(KubeModel):

@@ -102,8 +102,13 @@ def engine_args(ctx: Context, spec: InferenceServiceSpec) -> list[str]:
             "--transfer-budget-blocks",
             str(rotary.transfer_budget_blocks),
         ]
-    if spec.kv_cache.cpu_offload is not None:
-        args += ["--cpu-kv-gib", _num(round(quantity.gib(spec.kv_cache.cpu_offload.size), 3))]
+    kv = spec.kv_cache
+    if kv.cpu_offload is not None:
+        args += ["--cpu-kv-gib", _num(round(quantity.gib(kv.cpu_offload.size), 3))]
+    if kv.duplex != "full":
+        args += ["--duplex", kv.duplex]
+    if not kv.write_through:
+        args += ["--no-write-through"]
     if slo.classes is not None:
         args += ["--slo-classes", slo_classes_flag(slo.classes)]
     return args + list(engine.args)

@@ -203,3 +203,15 @@ def test_no_classes_keep_the_engine_builtins_and_an_empty_map_clears_them():
     assert set(serve_config(args).slo_class_table()) == {"interactive", "batch", "default"}
     empty = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "slo": {"classes": {}}})
     assert set(serve_config(engine_args(Context("t", "ns"), empty)).slo_class_table()) == {"default"}
+
+
+def test_duplex_ablation_renders_into_flags_the_engine_accepts():
+    plain = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}})
+    args = engine_args(Context("t", "ns"), plain)
+    assert "--duplex" not in args and "--no-write-through" not in args  # the engine's defaults
+    config = serve_config(args)
+    assert (config.duplex, config.write_through) == ("full", True)
+    kv = {"duplex": "serial", "writeThrough": False}
+    ablation = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "kvCache": kv})
+    config = serve_config(engine_args(Context("t", "ns"), ablation))
+    assert (config.duplex, config.write_through) == ("serial", False)
