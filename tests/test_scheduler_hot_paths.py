@@ -197,7 +197,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
         for r in ranked:
             if r.status is RequestStatus.RUNNING:
                 continue
-            if vlt[r.request_id] <= 0:
+            if vlt[r.request_id] <= 0 or r.tbt_missed:
                 patient.append(r)
                 continue
             if left <= 0 or xfer_left <= 0:

@@ -100,11 +100,11 @@ def test_past_capacity_rotary_keeps_goodput_and_slo_admission_cuts_the_rotations
     unguarded, old = run_overload("rotary", slo_admission=False)
     guarded, new = run_overload("rotary")
     # Measured on the device timeline (copies cost what the executor's ordering makes them cost):
-    # goodput fcfs 0.29, rotary 0.54 unguarded / 0.52 guarded; TTFT attainment 0.36 -> 1.0;
-    # rotary pays for it in throughput (0.78x fcfs) and TBT (0.52 vs 0.76); rotations 12.6k -> 8.6k.
-    assert guarded["goodput_share"] >= fcfs["goodput_share"] + 0.2, (guarded, fcfs)
+    # goodput fcfs 0.29, rotary 0.56 unguarded / 0.68 guarded; TTFT attainment 0.36 -> 1.0 at the
+    # same throughput (1.00x fcfs); rotations 7.2k unguarded -> 1.7k (requests whose TBT is lost
+    # no longer bounce in and out); TBT attainment 0.68 vs fcfs's 0.76.
+    assert guarded["goodput_share"] >= fcfs["goodput_share"] + 0.3, (guarded, fcfs)
     assert guarded["ttft_attainment"] >= fcfs["ttft_attainment"] + 0.5
-    assert guarded["goodput_share"] >= unguarded["goodput_share"] - 0.05
-    assert guarded["throughput_tok_s"] >= 1.05 * unguarded["throughput_tok_s"]
-    assert guarded["throughput_tok_s"] >= 0.7 * fcfs["throughput_tok_s"]
-    assert new.scheduler.counters.rotations <= 0.75 * old.scheduler.counters.rotations
+    assert guarded["goodput_share"] >= unguarded["goodput_share"] + 0.05
+    assert guarded["throughput_tok_s"] >= 0.95 * fcfs["throughput_tok_s"]
+    assert new.scheduler.counters.rotations <= 0.4 * old.scheduler.counters.rotations

@@ -230,8 +230,10 @@ class RotaryPolicy:
         xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
         admit, patient = [], []
         for r in ranked:
-            if vlt[r.request_id] <= 0:
-                patient.append(r)  # not lagging: it takes free blocks only, never displaces a running one
+            if vlt[r.request_id] <= 0 or r.tbt_missed:
+                # Not lagging, or its TBT is lost anyway: it takes free blocks only, never displaces
+                # a running one (a lost request bounced in and out costs two copies per token).
+                patient.append(r)
                 continue
             if left <= 0 or xfer_left <= 0:
                 continue  # Prioritize is done: nothing more fits under free + B_xfer
@@ -259,8 +261,10 @@ class RotaryPolicy:
         tokens; one whose TBT SLO is already missed may leave at once) and will still compute after
         its pending token."""
         stayed = now - (req.t_run if req.t_run is not None else now)
+        if req.tbt_missed:  # it may leave sooner, but not before one TBT SLO: no bouncing every step
+            residency_s = min(residency_s, req.slo.tbt_ms / 1000.0)
         return (
-            (stayed >= residency_s or req.tbt_missed)
+            stayed >= residency_s
             and req.status is RequestStatus.RUNNING
             and req.in_decode
             and not sched.ends_after_pending(req)
