@@ -24,7 +24,6 @@ released block that an unfinished step still touches carries that step as a fenc
 from __future__ import annotations
 
 import hashlib
-import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -117,10 +116,12 @@ class BlockPool:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
         clean: list[int] = []
-        fenced = sum(len(fences) for fences in avoid)
-        if fenced:  # scanning this far from the head finds n unfenced blocks if there are any
-            window = itertools.islice(self.free, n + fenced)
-            clean = [b for b in window if not any(b in fences for fences in avoid)][:n]
+        if any(avoid):  # from the head; past n + (fenced blocks) blocks, no unfenced one is left
+            for i, block in enumerate(self.free):
+                if len(clean) == n or i == n + sum(map(len, avoid)):
+                    break
+                if not any(block in fences for fences in avoid):
+                    clean.append(block)
             for block in clean:
                 del self.free[block]
         rest = [self.free.popitem(last=False)[0] for _ in range(n - len(clean))]
