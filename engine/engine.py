@@ -88,7 +88,9 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, d
 def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: int, device: torch.device) -> int:
     """Blocks of the CPU tier: the overrides, else (policies that rotate) a share of the host's
     available memory, at least the GPU pool's size when memory allows (see default_tier_bytes).
-    With the model on the CPU the "GPU pool" is host memory too: the tier defaults to its size."""
+    With the model on the CPU the "GPU pool" is host memory too: the tier defaults to 4 GiB (the
+    pool's size if larger), at most a quarter of the available memory; its pages are only
+    committed as blocks are written."""
     if config.num_cpu_blocks is not None:
         return config.num_cpu_blocks
     if config.cpu_kv_gib is not None:
@@ -99,7 +101,10 @@ def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: 
     on_cuda = device.type == "cuda"
     gpus = torch.cuda.device_count() if on_cuda else 1
     fraction = HOST_FRACTION if on_cuda else 0.0
-    tier = default_tier_bytes(available, pool, gpus, fraction)
+    if on_cuda:
+        tier = default_tier_bytes(available, pool, gpus, fraction)
+    else:  # pool and tier share the host: a rotation tier several times a small pool, within reason
+        tier = min(max(pool, CPU_MODEL_TIER_BYTES), available // 4)
     log.info(
         "CPU KV tier sized automatically (--cpu-kv-gib overrides): %.2f GiB from %.2f GiB of available host "
         "memory over %d GPU(s) and a %.2f GiB KV pool: max(%g x share, min(pool, %g x share))",
@@ -111,6 +116,9 @@ def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: 
         MAX_HOST_FRACTION,
     )
     return tier // block_bytes
+
+
+CPU_MODEL_TIER_BYTES = 4 << 30
 
 
 @dataclass

@@ -131,8 +131,10 @@ def test_available_host_memory_is_capped_by_the_cgroup_limit(tmp_path):
 def test_engine_sizes_the_cpu_tier_by_default_and_honours_the_overrides(caplog):
     caplog.set_level(logging.INFO, logger="superinfer.engine")
     auto = engine("tiny", max_model_len=256, policy="rotary", num_gpu_blocks=24)
-    assert auto.kv.cpu.num_blocks == 24  # the model on the CPU: the tier is the KV pool's size
-    assert auto.runner.duplex.cpu.nbytes == 24 * auto.block_bytes
+    # The model on the CPU: a 4 GiB tier (within a quarter of the available memory), far more than the pool.
+    expected = min(4 * GIB, available_host_bytes() // 4) // auto.block_bytes
+    assert auto.kv.cpu.num_blocks == expected > 24
+    assert auto.runner.duplex.cpu.nbytes == expected * auto.block_bytes
     assert "CPU KV tier sized automatically" in caplog.text
     assert engine("tiny", max_model_len=256, num_gpu_blocks=24).kv.cpu is None  # fcfs never rotates
     gib = 0.01
