@@ -85,6 +85,9 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, d
     return int(budget // block_bytes)
 
 
+CPU_MODEL_TIER_BYTES = 4 << 30
+
+
 def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: int, device: torch.device) -> int:
     """Blocks of the CPU tier: the overrides, else (policies that rotate) a share of the host's
     available memory, at least the GPU pool's size when memory allows (see default_tier_bytes).
@@ -98,27 +101,22 @@ def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: 
     if config.policy == "fcfs":
         return 0  # fcfs never rotates
     available, pool = available_host_bytes(), num_gpu_blocks * block_bytes
-    on_cuda = device.type == "cuda"
-    gpus = torch.cuda.device_count() if on_cuda else 1
-    fraction = HOST_FRACTION if on_cuda else 0.0
-    if on_cuda:
-        tier = default_tier_bytes(available, pool, gpus, fraction)
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        tier = default_tier_bytes(available, pool, gpus)
+        rule = f"max({HOST_FRACTION:g} x share, min(pool, {MAX_HOST_FRACTION:g} x share)), share over {gpus} GPU(s)"
     else:  # pool and tier share the host: a rotation tier several times a small pool, within reason
         tier = min(max(pool, CPU_MODEL_TIER_BYTES), available // 4)
+        rule = "min(max(pool, 4 GiB), available / 4)"
     log.info(
         "CPU KV tier sized automatically (--cpu-kv-gib overrides): %.2f GiB from %.2f GiB of available host "
-        "memory over %d GPU(s) and a %.2f GiB KV pool: max(%g x share, min(pool, %g x share))",
+        "memory and a %.2f GiB KV pool: %s",
         tier / 2**30,
         available / 2**30,
-        gpus,
         pool / 2**30,
-        fraction,
-        MAX_HOST_FRACTION,
+        rule,
     )
     return tier // block_bytes
-
-
-CPU_MODEL_TIER_BYTES = 4 << 30
 
 
 @dataclass

@@ -55,15 +55,21 @@ class SchedulerConfig:
 class SchedulerCounters:
     """Monotonic counters; the metrics layer exports their increments."""
 
-    preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
-    # The same preemptions by (mode, reason): swap for "policy" (chosen to rotate out) or
-    # "gpu_full" (out of GPU blocks mid-step); recompute for "gpu_full" (no rotation possible),
-    # "cpu_full" (the CPU tier had no room) or "transfer_budget" (the copies exceed a step's budget).
+    # Preemptions by (mode, reason): swap for "policy" (chosen to rotate out) or "gpu_full" (out of
+    # GPU blocks mid-step); recompute for "gpu_full" (no rotation possible), "cpu_full" (the CPU
+    # tier had no room) or "transfer_budget" (the copies exceed a step's budget).
     preemption_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
     rotations: int = 0
 
+    @property
+    def preemptions(self) -> dict[str, int]:
+        """Totals per mode."""
+        totals = {"recompute": 0, "swap": 0}
+        for (mode, _), n in self.preemption_reasons.items():
+            totals[mode] += n
+        return totals
+
     def preempted(self, mode: str, reason: str) -> None:
-        self.preemptions[mode] += 1
         key = (mode, reason)
         self.preemption_reasons[key] = self.preemption_reasons.get(key, 0) + 1
 

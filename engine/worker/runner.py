@@ -147,12 +147,12 @@ class ModelRunner:
         previous, self._previous = self._previous, step
         inputs = _gather_inputs(plan) if plan.seqs else None  # on the host, now: the plan is not kept
 
-        @torch.inference_mode()
         def work() -> None:
             for request_id in plan.released:
                 self.generators.pop(request_id, None)
             if inputs is not None:
-                self._forward(plan, inputs, step, previous)
+                with torch.inference_mode():
+                    self._forward(plan, inputs, step, previous)
 
         self.duplex.compute(step.copies, work, lambda: compute_access(plan, self.block_size))
         return step
