@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,7 +39,7 @@ from superinfer.engine.worker.host_memory import (
     available_host_bytes,
     default_tier_bytes,
 )
-from superinfer.engine.worker.runner import ModelRunner, StepOutput, SubmittedStep, torch_threads
+from superinfer.engine.worker.runner import ModelRunner, StepOutput, SubmittedStep, TokenLogprob, torch_threads
 from superinfer.engine.worker.streams import Streams
 
 log = logging.getLogger("superinfer.engine")
@@ -122,6 +122,7 @@ def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: 
 @dataclass
 class _Live:
     stream: TextStream
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # by prompt position
 
 
 class EngineCore:
@@ -274,8 +275,12 @@ class EngineCore:
             slo_class=slo_class,
         )
         self.scheduler.add(req)
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-        self._live[request_id] = _Live(TextStream(detok, sampling.stop))
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens)
+            if self.tokenizer
+            else None
+        )
+        self._live[request_id] = _Live(TextStream(detok, sampling.stop, sampling.include_stop_str_in_output))
 
     def abort(self, request_id: str) -> None:
         req = self.scheduler.abort(request_id)
@@ -322,6 +327,9 @@ class EngineCore:
         t2 = time.perf_counter()
         touched = self.scheduler.update(plan, result.sampled)
         now = self.clock()
+        for request_id, by_position in result.prompt_logprobs.items():
+            if request_id in self._live:  # a recomputed prompt keeps the logprobs of its first pass
+                self._live[request_id].prompt_logprobs = by_position | self._live[request_id].prompt_logprobs
         outputs = []
         for req in touched:
             live = self._live[req.request_id]
@@ -336,6 +344,9 @@ class EngineCore:
                 del self._live[req.request_id]
                 self.metrics.on_finish(req, now)
             lp = result.logprobs.get(req.request_id)
+            prompt_lps = None
+            if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 1:
+                prompt_lps = [None, *(live.prompt_logprobs[p] for p in range(1, req.num_prompt_tokens))]
             outputs.append(
                 RequestOutput(
                     request_id=req.request_id,
@@ -347,6 +358,7 @@ class EngineCore:
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_output_tokens=req.num_output_tokens,
                     num_cached_tokens=req.num_cached_tokens,
+                    prompt_logprobs=prompt_lps,
                 )
             )
         self.metrics.on_step(
@@ -373,6 +385,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # Requests held back until the request they share a prompt with has computed it, so that
+        # they find its KV in the prefix cache instead of computing it again (n > 1).
+        self._held: dict[str, list[tuple]] = {}
 
     @property
     def num_live(self) -> int:
@@ -397,8 +412,13 @@ class AsyncEngine:
         slo: SLO | None = None,
         priority: int | None = None,
         slo_class: str = DEFAULT_SLO_CLASS,
+        after: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        """Yield the request's outputs until it finishes; leaving early aborts it.
+
+        `after`: a live request with the same prompt; this one starts once that one has computed
+        the prompt (its first token), to share the prompt's KV blocks through the prefix cache.
+        Its arrival time, for its SLO, is still now."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if request_id in self._streams:
@@ -406,7 +426,8 @@ class AsyncEngine:
         self.core.validate(len(prompt_token_ids), sampling)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = outputs
-        self._commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, self.core.clock(), slo_class))
+        arrival = self.core.clock()
+        self._commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, arrival, slo_class, after))
         finished = False
         try:
             while not finished:
@@ -446,10 +467,26 @@ class AsyncEngine:
                 self._deliver([(rid, EngineDeadError(f"engine step failed: {exc}")) for rid in list(self._streams)])
                 return
             self._deliver([(o.request_id, o) for o in outputs])
+            for out in outputs:
+                self._release_held(out.request_id)
+
+    def _holds(self, after: str | None) -> bool:
+        """Whether a request sharing `after`'s prompt should wait for that prompt's KV."""
+        if after is None or not self.core.kv.enable_prefix_caching:
+            return False
+        first = self.core.scheduler.requests.get(after)
+        return first is not None and first.num_output_tokens == 0 and not first.is_finished
+
+    def _release_held(self, request_id: str) -> None:
+        for command in self._held.pop(request_id, ()):
+            self._apply(command)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, prompt, sampling, slo, priority, arrival, slo_class = command
+            _, rid, prompt, sampling, slo, priority, arrival, slo_class, after = command
+            if self._holds(after):
+                self._held.setdefault(after, []).append(command)
+                return
             try:
                 self.core.add_request(rid, prompt, sampling, slo, priority, arrival, slo_class)
             except ValueError as exc:
@@ -457,8 +494,14 @@ class AsyncEngine:
             except Exception as exc:  # a bug, not bad input: fail this request, keep serving
                 log.exception("could not add request %s", rid)
                 self._deliver([(rid, RuntimeError(f"internal error adding the request: {exc}"))])
+            if rid not in self.core.scheduler.requests:  # refused, or finished at once
+                self._release_held(rid)
         elif command[0] == "abort":
-            self.core.abort(command[1])
+            rid = command[1]
+            for held in self._held.values():
+                held[:] = [h for h in held if h[1] != rid]
+            self.core.abort(rid)
+            self._release_held(rid)
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         if items and self._loop is not None:

@@ -21,6 +21,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    # With the first output of a request that asked for them: one per prompt token (the first None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -28,11 +30,13 @@ class TextStream:
     """Turns a request's tokens into text deltas and watches for stop strings.
 
     While a stop string could still be forming at the end of the text, that tail is held back,
-    so a consumer never sees part of a stop string. The stop string itself is not emitted.
+    so a consumer never sees part of a stop string. The stop string itself is emitted only with
+    `include_stop`.
     """
 
     detokenizer: IncrementalDetokenizer | None  # None for models without a tokenizer
     stop: tuple[str, ...]
+    include_stop: bool = False
     text: str = ""
     emitted: int = 0
     stopped: bool = field(default=False)
@@ -48,7 +52,7 @@ class TextStream:
             # Only the newly added text and the held-back tail can contain a new match.
             at = self.text.find(s, max(0, self.emitted - len(s)))
             if at != -1:
-                self.text = self.text[:at]
+                self.text = self.text[: at + len(s) if self.include_stop else at]
                 self.stopped = True
 
     def take(self, finished: bool) -> str:

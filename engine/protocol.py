@@ -1,14 +1,19 @@
 """OpenAI-compatible request bodies, and the conversion to SamplingParams.
 
-Unknown fields are rejected by name (as OpenAI does); known fields we do not implement are
-accepted only at their neutral value, otherwise the error names them.
+Fields follow OpenAI's API plus vLLM's well-known extras (top_k, min_p, repetition_penalty, ...),
+which clients and harnesses send. An explicit null means the field's default. A field the server
+does not know is ignored with a warning, as vLLM does, unless it looks like a typo of a known one
+(then it is a 400 that says which field was meant); fields that change what is generated and that
+this server cannot honour are refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from superinfer.engine.core.request import SamplingParams
 
@@ -33,52 +38,80 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# vLLM fields that would change the output and that this server does not implement yet.
+UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+MAX_N = 128
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields kept aside (see `unknown_fields`), null means default."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaults = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in defaults or defaults[k].default is None}
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+    def check_unknown(self) -> list[str]:
+        """Refuse likely typos and unsupported vLLM fields by name; return the fields to ignore."""
+        unknown = self.unknown_fields()
+        for name in unknown:
+            if name in UNSUPPORTED_FIELDS:
+                raise APIError(400, f"unsupported parameter: {name!r} is not supported by this server", param=name)
+            close = difflib.get_close_matches(name, list(type(self).model_fields), n=1, cutoff=0.8)
+            if close:
+                raise APIError(400, f"unrecognized request argument {name!r}: did you mean {close[0]!r}?", param=name)
+        return unknown
+
+
 class SLOField(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid")  # our own field: strict
     ttft_ms: float | None = Field(None, gt=0)
     tbt_ms: float | None = Field(None, gt=0)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the running usage on every chunk
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Common(_Body):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
-    n: int = 1
+    min_p: float = Field(0.0, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # as in HF's fast tokenizers, which ignore it
     user: str | None = None
     slo_class: str | None = None
     slo: SLOField | None = None
     priority: int | None = None  # None: the SLO class's priority
 
-    def _unsupported(self) -> dict[str, bool]:
-        return {
-            "n": self.n != 1,
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "logit_bias": bool(self.logit_bias),
-        }
-
     def check_supported(self) -> None:
-        for name, used in self._unsupported().items():
-            if used:
-                raise APIError(400, f"unsupported parameter: {name!r} is not supported by this server", param=name)
+        """Combinations the API refuses (beyond each field's own range)."""
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -88,22 +121,48 @@ class _Common(BaseModel):
             raise APIError(400, "stop strings must not be empty", param="stop")
         return stops
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def logit_biases(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, each bias clamped to [-100, 100]."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise APIError(
+                    400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
+                )
+            pairs.append((int(key), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias))))
+        return tuple(pairs)
+
+    def sampling(
+        self, max_tokens: int, logprobs: int | None, vocab_size: int, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
+                min_p=self.min_p,
                 seed=self.seed,
                 stop=self.stops(),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=self.logit_biases(vocab_size),
+                skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+
+
+def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a request: its own seed (seed + index), so choices differ reproducibly."""
+    return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
 class CompletionRequest(_Common):
@@ -114,28 +173,23 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    def _unsupported(self) -> dict[str, bool]:
-        return {
-            **super()._unsupported(),
-            "echo": self.echo,
-            "best_of": self.best_of not in (None, 1),
-            "suffix": bool(self.suffix),
-        }
+    def check_supported(self) -> None:
+        if (self.best_of or 1) > 1:
+            raise APIError(400, "unsupported parameter: 'best_of' above 1 is not supported; use 'n'", param="best_of")
+        if self.suffix:
+            raise APIError(400, "unsupported parameter: 'suffix' is not supported by this server", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 is only meaningful with echo (to score the prompt)", param="max_tokens")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order: one, or several (a batch: one choice per prompt, times n)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(
-                    400,
-                    "unsupported parameter: batched prompts (a list of several prompts) "
-                    "are not supported; send one request per prompt",
-                    param="prompt",
-                )
-            p = p[0]
-        if not p:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if not one:
+                where = "the prompt" if len(batch) == 1 else f"prompt {i}"
+                raise APIError(400, f"{where} is empty", param="prompt")
+        return batch
 
 
 class TextPart(BaseModel):
@@ -145,7 +199,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... go to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -156,6 +210,11 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, and its other fields as sent."""
+        message = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+        return message if self.name is None else {**message, "name": self.name}
 
 
 class ResponseFormat(BaseModel):
@@ -173,14 +232,26 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template adds BOS itself
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def _unsupported(self) -> dict[str, bool]:
-        return {
-            **super()._unsupported(),
+    def check_supported(self) -> None:
+        unsupported = {
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "response_format": self.response_format is not None and self.response_format.type != "text",
         }
+        for name, used in unsupported.items():
+            if used:
+                raise APIError(400, f"unsupported parameter: {name!r} is not supported by this server", param=name)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -189,3 +260,28 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        pass

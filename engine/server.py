@@ -21,13 +21,21 @@ from pydantic import BaseModel, ValidationError
 
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
+from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import AsyncEngine, EngineCore, EngineDeadError
 from superinfer.engine.output import RequestOutput
-from superinfer.engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from superinfer.engine.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    for_choice,
+)
+from superinfer.engine.responses import ChatFormat, ChoiceSpec, CompletionFormat
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
 from superinfer.engine.tokenizer import Tokenizer
-from superinfer.engine.worker.runner import TokenLogprob
 
 log = logging.getLogger("superinfer.server")
 
@@ -41,8 +49,38 @@ def common_prefix(paths: list[tuple]) -> tuple:
     return first[:n]
 
 
+def validate(model: type[BaseModel], raw: dict[str, Any]) -> Any:
+    """Parse a body; a 400 names every bad field (a failed union reports one error per member:
+    they are grouped by field)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        by_field: dict[Any, list[dict[str, Any]]] = {}
+        for e in exc.errors():
+            by_field.setdefault(e["loc"][:1], []).append(e)
+        problems = []
+        for errors in by_field.values():
+            loc = ".".join(str(p) for p in common_prefix([e["loc"] for e in errors])) or "body"
+            if errors[0]["type"] == "extra_forbidden":
+                problems.append((loc, f"unrecognized request argument {loc!r}"))
+            else:
+                problems.append((loc, f"invalid value for {loc!r}: {errors[0]['msg']}"))
+        raise APIError(400, "; ".join(msg for _, msg in problems), param=problems[0][0]) from exc
+
+
 def error_response(err: APIError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+def request_id(request: web.Request) -> str:
+    """The client's X-Request-Id if it sent one, else a new id; echoed in every response."""
+    rid = request.get(REQUEST_ID)
+    if rid is None:
+        rid = request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    return rid
 
 
 @web.middleware
@@ -50,19 +88,30 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         return await handler(request)
     except APIError as err:
-        return error_response(err)
+        error = err
     except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(APIError(413, f"request body too large: {exc.text}", code="request_too_large"))
+        error = APIError(413, f"request body too large: {exc.text}", code="request_too_large")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status, exc.reason, type=kind))
+        error = APIError(exc.status, exc.reason, type=kind)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        return error_response(APIError(500, "internal server error", type="server_error"))
+        log.exception("unhandled error serving %s %s (request %s)", request.method, request.path, request_id(request))
+        error = APIError(500, "internal server error", type="server_error")
+    if error.status < 500:
+        log.warning(
+            "%s %s -> %d (request %s): %s",
+            request.method,
+            request.path,
+            error.status,
+            request_id(request),
+            error.message,
+        )
+    error.headers.setdefault("x-request-id", request_id(request))
+    return error_response(error)
 
 
 class OpenAIServer:
@@ -82,6 +131,9 @@ class OpenAIServer:
         app.router.add_get(c.HEALTH_PATH, self.health)
         app.router.add_get(c.READY_PATH, self.ready)
         app.router.add_get(c.METRICS_PATH, self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         return app
 
     @web.middleware
@@ -121,8 +173,8 @@ class OpenAIServer:
         }
         return web.json_response({"object": "list", "data": [card]})
 
-    # --- generation ------------------------------------------------------------------------
-    async def _parse(self, request: web.Request, model: type[BaseModel]) -> Any:
+    # --- parsing ---------------------------------------------------------------------------
+    def _check_capacity(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "5"})
         bound = self.config.max_waiting_requests
@@ -135,24 +187,23 @@ class OpenAIServer:
                 code="overloaded",
                 headers={"Retry-After": "1"},
             )
+
+    async def _parse(self, request: web.Request, model: type[BaseModel]) -> Any:
         try:
             raw = await request.json()
         except json.JSONDecodeError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise APIError(400, "the request body must be a JSON object")
-        try:
-            body = model.model_validate(raw)
-        except ValidationError as exc:
-            errors = exc.errors()
-            loc = ".".join(str(p) for p in common_prefix([e["loc"] for e in errors]))
-            if errors[0]["type"] == "extra_forbidden":
-                raise APIError(400, f"unrecognized request argument: {loc!r}", param=loc) from exc
-            raise APIError(400, f"invalid value for {loc!r}: {errors[0]['msg']}", param=loc) from exc
-        if body.model != self.model_name:
+        body = validate(model, raw)
+        ignored = body.check_unknown()
+        if ignored:
+            log.warning("request %s: ignoring unknown fields %s", request_id(request), ", ".join(ignored))
+        name = getattr(body, "model", None)
+        if name is not None and name != self.model_name:
             raise APIError(
                 404,
-                f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                 type="not_found_error",
                 param="model",
                 code="model_not_found",
@@ -223,48 +274,124 @@ class OpenAIServer:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
         return self.core.tokenizer
 
+    # --- tokenizer endpoints (vLLM's) ----------------------------------------------------------
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
+        tokenizer = self._tokenizer()
+        messages = [m.for_template() for m in body.messages or ()]
+        try:
+            return tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **(body.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # a template may raise on roles or orders it does not support
+            raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body: TokenizeRequest = await self._parse(request, TokenizeRequest)
+        tokenizer = self._tokenizer()
+        if body.messages is not None:
+            ids = tokenizer.encode(self._chat_prompt(body), add_special_tokens=body.add_special_tokens is True)
+        else:
+            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+        result: dict[str, Any] = {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            result["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return web.json_response(result)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
+        vocab = self.core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return web.json_response({"prompt": self._tokenizer().decode(body.tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self._tokenizer().info())
+
+    # --- generation ------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
-        prompt = body.single_prompt()
-        ids = self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
-        sampling = body.sampling(self._max_tokens(body.max_tokens, len(ids)), body.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        slo_class, slo, priority = self._slo(request, body)
-        outputs = self.engine.generate(rid, ids, sampling, slo, priority, slo_class)
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = CompletionFormat(rid, self.model_name, self.core.tokenizer)
-        return await self._respond(request, outputs, fmt, body.stream, usage)
+        self._check_capacity()
+        prompts = [self._prompt_ids(p) for p in body.prompts()]
+        score_only = body.max_tokens == 0  # echo scoring: generate one token, return none
+        # With echo and logprobs the prompt tokens' logprobs are part of the answer.
+        prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+        rid = f"cmpl-{request_id(request)}"
+        specs, requests = [], []
+        for p, (prompt, ids) in enumerate(zip(body.prompts(), prompts, strict=True)):
+            max_tokens = self._max_tokens(1 if score_only else body.max_tokens, len(ids))
+            sampling = body.sampling(max_tokens, body.logprobs, self.core.model_config.vocab_size, prompt_lps)
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else self._tokenizer().decode(ids, skip_special_tokens=False)
+            for j in range(body.n):
+                index = p * body.n + j
+                specs.append(ChoiceSpec(index, p, echo, tuple(ids) if body.echo else (), score_only))
+                requests.append((ids, for_choice(sampling, index), j))
+        fmt = CompletionFormat(rid, self.model_name, self.core.tokenizer, specs, sum(map(len, prompts)))
+        return await self._generate(request, body, rid, requests, fmt)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        tokenizer = self._tokenizer()
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # a template may raise on roles or orders it does not support
-            raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        sampling = body.sampling(self._max_tokens(body.requested_max_tokens(), len(ids)), body.requested_logprobs())
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        self._check_capacity()
+        ids = self._tokenizer().encode(self._chat_prompt(body), add_special_tokens=body.add_special_tokens)
+        max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids))
+        sampling = body.sampling(max_tokens, body.requested_logprobs(), self.core.model_config.vocab_size)
+        rid = f"chatcmpl-{request_id(request)}"
+        specs = [ChoiceSpec(j, 0) for j in range(body.n)]
+        requests = [(ids, for_choice(sampling, j), j) for j in range(body.n)]
+        fmt = ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids))
+        return await self._generate(request, body, rid, requests, fmt)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        rid: str,
+        requests: list[tuple[list[int], SamplingParams, int]],
+        fmt: CompletionFormat,
+    ) -> web.StreamResponse:
+        """Start one engine request per choice (ids, sampling, its index among its prompt's n) and
+        answer with all of them. A prompt's later choices wait for its first to compute the prompt
+        and share its KV, unless each must score the prompt itself (prompt logprobs)."""
         slo_class, slo, priority = self._slo(request, body)
-        outputs = self.engine.generate(rid, ids, sampling, slo, priority, slo_class)
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ChatFormat(rid, self.model_name, tokenizer)
-        return await self._respond(request, outputs, fmt, body.stream, usage)
+        streams = []
+        for index, (ids, sampling, j) in enumerate(requests):
+            first = f"{rid}-{index - j}"
+            after = first if j and sampling.prompt_logprobs is None else None
+            streams.append(self.engine.generate(f"{rid}-{index}", ids, sampling, slo, priority, slo_class, after))
+        options = body.stream_options
+        return await self._respond(
+            request,
+            streams,
+            fmt,
+            body.stream,
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+        )
 
     async def _respond(
         self,
         request: web.Request,
-        outputs: AsyncIterator[RequestOutput],
+        streams: list[AsyncIterator[RequestOutput]],
         fmt: CompletionFormat,
         stream: bool,
         include_usage: bool,
+        continuous_usage: bool,
     ) -> web.StreamResponse:
         headers = {"x-request-id": fmt.rid}
-        async with aclosing(outputs) as it:
+        async with aclosing(merge(streams)) as it:
             try:
                 if not stream:
-                    return web.json_response(fmt.full([out async for out in it]), headers=headers)
+                    outs: dict[int, list[RequestOutput]] = {}
+                    async for index, out in it:
+                        outs.setdefault(index, []).append(out)
+                    return web.json_response(fmt.full(outs), headers=headers)
                 first = await anext(it, None)  # errors before the first token still get a JSON status
             except (ValueError, EngineDeadError) as exc:
                 raise engine_error(exc) from exc
@@ -272,23 +399,70 @@ class OpenAIServer:
                 headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await resp.prepare(request)
-            start = fmt.start()
-            if start is not None:
-                await resp.write(sse(start))
-            last = first
+            usage_field = {"usage": None} if include_usage and not continuous_usage else {}
+            for start in fmt.start():
+                await resp.write(sse({**start, **usage_field}))
             try:
                 if first is not None:
-                    await resp.write(sse(fmt.chunk(first)))
-                    async for out in it:
-                        await resp.write(sse(fmt.chunk(out)))
-                        last = out
-                if include_usage and last is not None:
-                    await resp.write(sse(fmt.usage_chunk(last)))
+                    await self._write_chunk(resp, fmt, first, continuous_usage, usage_field)
+                    async for item in it:
+                        await self._write_chunk(resp, fmt, item, continuous_usage, usage_field)
+                if include_usage:
+                    await resp.write(sse(fmt.usage_chunk()))
             except (ValueError, EngineDeadError) as exc:  # the status line is gone: report in-stream
                 await resp.write(sse(engine_error(exc).body()))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
+
+    @staticmethod
+    async def _write_chunk(
+        resp: web.StreamResponse,
+        fmt: CompletionFormat,
+        item: tuple[int, RequestOutput],
+        continuous_usage: bool,
+        usage_field: dict[str, None],
+    ) -> None:
+        chunk = fmt.chunk(*item, continuous_usage)
+        if chunk is not None:
+            await resp.write(sse({**chunk, **usage_field}))
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several output streams as they come; the first error ends it.
+    Closing it early closes every stream (which aborts its engine request)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream) as outs:
+                async for out in outs:
+                    queue.put_nowait((index, out))
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -299,129 +473,6 @@ def engine_error(exc: Exception) -> APIError:
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }
-
-
-class CompletionFormat:
-    """Response bodies of /v1/completions."""
-
-    object_name = "text_completion"
-
-    def __init__(self, rid: str, model: str, tokenizer: Any) -> None:
-        self.rid, self.model, self.tokenizer = rid, model, tokenizer
-        self.created = int(time.time())
-        self.offset = 0
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
-
-    def _envelope(self, choices: list[dict[str, Any]], obj: str | None = None) -> dict[str, Any]:
-        return {
-            "id": self.rid,
-            "object": obj or self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def logprobs(self, items: list[TokenLogprob] | None, text_offset: int) -> dict[str, Any] | None:
-        if items is None:
-            return None
-        tokens = [self._token_text(lp.token_id) for lp in items]
-        offsets = []
-        for tok in tokens:
-            offsets.append(text_offset)
-            text_offset += len(tok)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in items],
-            "text_offset": offsets,
-        }
-
-    def start(self) -> dict[str, Any] | None:
-        return None
-
-    def chunk(self, out: RequestOutput) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": out.text,
-            "logprobs": self.logprobs(out.logprobs, self.offset),
-            "finish_reason": out.finish_reason,
-        }
-        self.offset += len(out.text)
-        return self._envelope([choice])
-
-    def usage_chunk(self, last: RequestOutput) -> dict[str, Any]:
-        return {**self._envelope([]), "usage": _usage(last)}
-
-    def full(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        last = outs[-1]
-        lps = [lp for o in outs for lp in (o.logprobs or [])] if last.logprobs is not None else None
-        choice = {
-            "index": 0,
-            "text": "".join(o.text for o in outs),
-            "logprobs": self.logprobs(lps, 0),
-            "finish_reason": last.finish_reason,
-        }
-        return {**self._envelope([choice]), "usage": _usage(last)}
-
-
-class ChatFormat(CompletionFormat):
-    """Response bodies of /v1/chat/completions."""
-
-    object_name = "chat.completion.chunk"
-
-    def logprobs(self, items: list[TokenLogprob] | None, text_offset: int) -> dict[str, Any] | None:
-        if items is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {
-            "content": [
-                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items
-            ]
-        }
-
-    def start(self) -> dict[str, Any] | None:
-        return self._envelope(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-        )
-
-    def chunk(self, out: RequestOutput) -> dict[str, Any]:
-        delta = {"content": out.text} if out.text or not out.finished else {}
-        return self._envelope(
-            [
-                {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": self.logprobs(out.logprobs, 0),
-                    "finish_reason": out.finish_reason,
-                }
-            ]
-        )
-
-    def full(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        last = outs[-1]
-        lps = [lp for o in outs for lp in (o.logprobs or [])] if last.logprobs is not None else None
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-            "logprobs": self.logprobs(lps, 0),
-            "finish_reason": last.finish_reason,
-        }
-        return {**self._envelope([choice], "chat.completion"), "usage": _usage(last)}
 
 
 # --- running it -------------------------------------------------------------------------------

@@ -184,18 +184,43 @@ class Tokenizer:
             raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
         """Render the conversation to a prompt string (encode it with add_special_tokens=False,
-        or rely on encode() not doubling BOS). Extra kwargs (tools, documents...) reach the template."""
+        or rely on encode() not doubling BOS). Extra kwargs (tools, documents...) reach the template.
+        `continue_final_message`: the prompt ends inside the last message (a prefill to continue),
+        cut after its content as transformers does."""
         # Like transformers: tools/documents are defined (None) even when not given.
         variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:
             raise
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(str(e)) from e
+        if continue_final_message:
+            final = (messages[-1].get("content") or "").strip() if messages else ""
+            at = text.rfind(final) if final else -1
+            if at == -1:
+                raise ChatTemplateError("continue_final_message: the final message's text is not in the prompt")
+            text = text[: at + len(final)]
+        return text
+
+    def info(self) -> dict[str, Any]:
+        """What vLLM's /tokenizer_info reports: the special tokens, the chat template, the size."""
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "vocab_size": self.vocab_size,
+            **self.special_tokens,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": sorted(self.eos_token_ids),
+            "add_bos_token": self._prepend_bos or self._adds_bos(),
+            "chat_template": self.chat_template,
+        }
 
 
 class IncrementalDetokenizer:

@@ -68,7 +68,16 @@ class ReferenceScheduler(Scheduler):
         sample = req.num_computed_tokens == req.num_scheduled_tokens
         banned = req.banned_token_ids() if sample else ()
         step.seqs.append(
-            ScheduledSeq(req.request_id, token_ids, start, list(req.block_ids), sample, req.sampling, banned)
+            ScheduledSeq(
+                req.request_id,
+                token_ids,
+                start,
+                list(req.block_ids),
+                sample,
+                req.sampling,
+                banned,
+                req.prompt_token_ids,
+            )
         )
         step.requests.append(req)
         if sample:

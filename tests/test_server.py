@@ -128,9 +128,14 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": list(range(3, 300)), "max_tokens": 1}, 400, "messages"),
-    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "temprature": 1}, 400, "temprature"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "guided_json": {}}, 400, "guided_json"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": False}, 400, "max_tokens"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "", "max_tokens": 1}, 400, "prompt"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": [10**9], "max_tokens": 1}, 400, None),
@@ -248,8 +253,10 @@ async def test_metrics_and_per_request_slo(server, client):
 async def test_concurrent_streams_all_complete(server):
     async def one(http: aiohttp.ClientSession, i: int) -> int:
         body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 10, "stream": True, "ignore_eos": True}
+        body["stream_options"] = {"include_usage": True}
         async with http.post(server.url + c.COMPLETIONS_PATH, json=body) as resp:
-            return len([line async for line in resp.content if line.startswith(b"data: {")])
+            chunks = [json.loads(line[6:]) async for line in resp.content if line.startswith(b"data: {")]
+        return chunks[-1]["usage"]["completion_tokens"]
 
     async with aiohttp.ClientSession() as http:
         counts = await asyncio.gather(*(one(http, i) for i in range(12)))

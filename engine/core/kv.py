@@ -235,9 +235,10 @@ class KVCacheManager:
     def cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding a prefix of the request's tokens, found in the cache.
 
-        The last token is never served from the cache: its logits are needed to sample.
+        The last token is never served from the cache: its logits are needed to sample. Neither is
+        any token of a request that wants its prompt's logprobs (they come from the prefill).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         found = []

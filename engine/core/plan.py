@@ -25,6 +25,7 @@ class ScheduledSeq:
     sample: bool  # the chunk reaches the request's newest token: sample the next one
     sampling: SamplingParams
     banned_token_ids: tuple[int, ...] = ()  # not to be sampled yet (EOS and stop tokens before min_tokens)
+    prompt_token_ids: list[int] | tuple[()] = ()  # the request's prompt (shared, not copied)
 
     @property
     def num_tokens(self) -> int:

@@ -34,6 +34,14 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus n alternatives
+    prompt_logprobs: int | None = None  # also each prompt token's logprob (plus n alternatives)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL's, on prompt and output tokens: positive logits / p, others * p
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -46,8 +54,22 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def penalized(self) -> bool:
+        """Sampling needs the request's token history (counts of output tokens, prompt tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

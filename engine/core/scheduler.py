@@ -277,7 +277,11 @@ class Scheduler:
                 self._track_filled(req, start, start + 1, step)
             token = PLACEHOLDER if pending else req.token_ids[start]
             banned = req.banned_token_ids() if req.sampling.min_tokens else ()
-            seqs.append(ScheduledSeq(req.request_id, [token], start, req.block_ids, True, req.sampling, banned))
+            seqs.append(
+                ScheduledSeq(
+                    req.request_id, [token], start, req.block_ids, True, req.sampling, banned, req.prompt_token_ids
+                )
+            )
             requests.append(req)
             req.num_pending_tokens = pending + 1
             i += 1
@@ -403,7 +407,11 @@ class Scheduler:
             token_ids += [PLACEHOLDER] * (n - len(token_ids))
         sample = end == len(req.token_ids) + req.num_pending_tokens
         banned = req.banned_token_ids() if sample and req.sampling.min_tokens else ()
-        step.seqs.append(ScheduledSeq(req.request_id, token_ids, start, req.block_ids, sample, req.sampling, banned))
+        step.seqs.append(
+            ScheduledSeq(
+                req.request_id, token_ids, start, req.block_ids, sample, req.sampling, banned, req.prompt_token_ids
+            )
+        )
         step.requests.append(req)
         if sample:
             req.num_pending_tokens += 1

@@ -20,6 +20,7 @@ from superinfer.engine.worker.attention import PagedAttention, SeqSpan, plan_att
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies
 from superinfer.engine.worker.sampling import SampledLogprobs, sample
 from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
+from superinfer.engine.worker.token_history import TokenHistories
 
 
 def torch_threads(requested: int | None) -> int:
@@ -46,7 +47,21 @@ class TokenLogprob:
 class StepOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Prompt tokens' logprobs computed by this step's prefill chunks: position -> logprob.
+    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     copies: CopyStats = field(default_factory=CopyStats)
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Prompt tokens whose logprobs a chunk yields: hidden rows row.. predict `targets`, the prompt
+    tokens at positions first.. ."""
+
+    request_id: str
+    row: int
+    first: int
+    targets: list[int]
+    k: int
 
 
 @dataclass
@@ -60,6 +75,8 @@ class SubmittedStep:
     device_tokens: torch.Tensor | None = None  # what the next step's placeholders read
     tokens: torch.Tensor | None = None  # host (pinned on CUDA)
     logprobs: SampledLogprobs | None = None  # host
+    prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+    prompt_logprobs: SampledLogprobs | None = None  # host, the rows of prompt_rows in order
 
 
 @dataclass
@@ -70,6 +87,7 @@ class _StepInputs:
     sample_rows: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_ids: list[str] = field(default_factory=list)  # whose token from the previous step
+    prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
 
 
 def _gather_inputs(plan: StepPlan) -> _StepInputs:
@@ -83,6 +101,11 @@ def _gather_inputs(plan: StepPlan) -> _StepInputs:
             x.placeholder_ids.append(seq.request_id)
         x.positions.extend(range(start, ctx))
         x.spans.append(SeqSpan(row, n, ctx, seq.block_ids))
+        k = seq.sampling.prompt_logprobs
+        count = min(ctx, len(seq.prompt_token_ids) - 1) - start
+        if k is not None and count > 0:
+            targets = list(seq.prompt_token_ids[start + 1 : start + 1 + count])
+            x.prompt_rows.append(PromptLogprobRows(seq.request_id, row, start + 1, targets, k))
         row += n
         if seq.sample:
             x.sample_rows.append(row - 1)
@@ -120,6 +143,7 @@ class ModelRunner:
         self.block_size = block_size
         self.scale = scale
         self.generators: dict[str, torch.Generator] = {}
+        self.histories = TokenHistories(model.config.vocab_size, self.device)
         self._previous: SubmittedStep | None = None  # whose sampled tokens fill the next placeholders
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -150,6 +174,7 @@ class ModelRunner:
         def work() -> None:
             for request_id in plan.released:
                 self.generators.pop(request_id, None)
+                self.histories.release(request_id)
             if inputs is not None:
                 with torch.inference_mode():
                     self._forward(plan, inputs, step, previous)
@@ -160,6 +185,8 @@ class ModelRunner:
     def collect(self, step: SubmittedStep) -> StepOutput:
         """Wait for a submitted step and return its sampled tokens, logprobs and copy stats."""
         out = StepOutput(copies=self.duplex.finish(step.copies))
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = _prompt_logprobs(step.prompt_rows, step.prompt_logprobs)
         if step.tokens is None:
             return out
         out.sampled = dict(zip(step.request_ids, step.tokens.tolist(), strict=True))
@@ -191,16 +218,45 @@ class ModelRunner:
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
         attn = PagedAttention(self.kv_cache, plan_attention(x.spans, self.kv_cache), self.scale)
         hidden = self.model(input_ids, self._tensor(x.positions), attn)
+        if x.prompt_rows:
+            self._score_prompts(hidden, x, step)
         sampling = [s for s in plan.seqs if s.sample]
         if not sampling:
             return
         logits = self.model.compute_logits(hidden[self._tensor(x.sample_rows)])
         params = [s.sampling for s in sampling]
         gens = [self._generator(s.request_id, s.sampling.seed) for s in sampling]
-        tokens, logprobs = sample(logits, params, gens, [s.banned_token_ids for s in sampling])
+        rows = self.histories.rows(sampling)
+        history = self.histories.gather(rows) if rows is not None else None
+        tokens, logprobs = sample(logits, params, gens, [s.banned_token_ids for s in sampling], history)
+        if rows is not None:
+            self.histories.record(rows, tokens)
         step.device_tokens = tokens
         step.tokens = self._to_host(tokens)
         if logprobs is not None:
             step.logprobs_wanted = [p.logprobs for p in params]
             parts = (logprobs.chosen, logprobs.top_ids, logprobs.top_values)
             step.logprobs = SampledLogprobs(*(self._to_host(t) for t in parts))
+
+    def _score_prompts(self, hidden: torch.Tensor, x: _StepInputs, step: SubmittedStep) -> None:
+        """Logprobs of the prompt tokens this step's chunks predict (echo, prompt_logprobs)."""
+        rows = [r.row + i for r in x.prompt_rows for i in range(len(r.targets))]
+        targets = [t for r in x.prompt_rows for t in r.targets]
+        logp = self.model.compute_logits(hidden[self._tensor(rows)]).float().log_softmax(dim=-1)
+        chosen = logp.gather(-1, self._tensor(targets)[:, None]).squeeze(-1)
+        top = logp.topk(max(1, max(r.k for r in x.prompt_rows)), dim=-1)
+        step.prompt_rows = x.prompt_rows
+        step.prompt_logprobs = SampledLogprobs(*(self._to_host(t) for t in (chosen, top.indices, top.values)))
+
+
+def _prompt_logprobs(rows: list[PromptLogprobRows], lp: SampledLogprobs) -> dict[str, dict[int, TokenLogprob]]:
+    chosen, top_ids, top_values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
+    out: dict[str, dict[int, TokenLogprob]] = {}
+    i = 0
+    for r in rows:
+        per_position = out.setdefault(r.request_id, {})
+        for position, token in enumerate(r.targets, start=r.first):
+            top = list(zip(top_ids[i], top_values[i], strict=True))[: r.k]
+            per_position[position] = TokenLogprob(token, chosen[i], top)
+            i += 1
+    return out

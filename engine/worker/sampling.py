@@ -1,7 +1,11 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling for a batch: logit bias, penalties, greedy, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs. Everything is batched on the logits' device: per-row parameters are
+[N] tensors, never a Python loop over rows or the vocabulary.
 
-Random rows use the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A seeded
-request draws its noise from its own generator, so its tokens do not depend on the batch.
+The order is vLLM's: bans and logit_bias, then the repetition, frequency and presence penalties,
+then temperature, top-k/top-p and min-p. Random rows use the exponential race: argmax(p / E) with
+E ~ Exp(1) draws from p. A seeded request draws its noise from its own generator, so its tokens
+do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -42,26 +46,55 @@ def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+@dataclass
+class TokenHistory:
+    """Each row's token history for the penalties: output-token counts and a prompt-token mask."""
+
+    output_counts: torch.Tensor  # [N, vocab] int32
+    in_prompt: torch.Tensor  # [N, vocab] bool
+
+
+def _bias(logits: torch.Tensor, params: Sequence[SamplingParams], banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Add each row's logit_bias and -inf at its banned tokens (one scatter for the batch)."""
+    entries = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias]
+    entries += [(i, token, float("-inf")) for i, ids in enumerate(banned) for token in ids]
+    if not entries:
+        return logits
+    rows, cols, values = map(list, zip(*entries, strict=True))
+    device = logits.device
+    index = (_on(device, rows, torch.long), _on(device, cols, torch.long))
+    return logits.index_put(index, _on(device, values, torch.float32), accumulate=True)
+
+
+def _penalize(scores: torch.Tensor, params: Sequence[SamplingParams], history: TokenHistory) -> torch.Tensor:
+    device = scores.device
+    repetition = _on(device, [p.repetition_penalty for p in params], torch.float32)[:, None]
+    frequency = _on(device, [p.frequency_penalty for p in params], torch.float32)[:, None]
+    presence = _on(device, [p.presence_penalty for p in params], torch.float32)[:, None]
+    counts = history.output_counts
+    seen = counts > 0
+    repeated = torch.where(scores > 0, scores / repetition, scores * repetition)
+    scores = torch.where(seen | history.in_prompt, repeated, scores)
+    return scores - frequency * counts - presence * seen
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned: Sequence[Sequence[int]] = (),
+    history: TokenHistory | None = None,
 ) -> tuple[torch.Tensor, SampledLogprobs | None]:
     """Sample one token per row of float32 `logits` [N, vocab].
 
     `banned[i]` are token ids row i may not produce (EOS and stop tokens before `min_tokens`).
-    Logprobs are those of the model, before banning, temperature and truncation.
+    `history` is needed when a row has a penalty. Logprobs are those of the model, before bias,
+    penalties, temperature and truncation (vLLM's default).
     """
     vocab = logits.shape[-1]
-    scores = logits
-    if any(banned):
-        rows = [i for i, ids in enumerate(banned) for _ in ids]
-        cols = [t for ids in banned for t in ids]
-        scores = logits.index_put(
-            (_on(logits.device, rows, torch.long), _on(logits.device, cols, torch.long)),
-            torch.tensor(float("-inf"), device=logits.device),
-        )
+    scores = _bias(logits, params, banned)
+    if history is not None:
+        scores = _penalize(scores, params, history)
     if all(p.greedy for p in params):
         tokens = scores.argmax(dim=-1)
     else:
@@ -73,6 +106,9 @@ def sample(
             top_p = _on(device, [p.top_p for p in params], torch.float32)
             scaled = _truncate(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = _on(device, [p.min_p for p in params], torch.float32)[:, None]
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_()
         for i, gen in enumerate(generators):
             if gen is not None:
