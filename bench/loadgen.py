@@ -1,8 +1,8 @@
 """Load generation against any OpenAI-compatible endpoint, measured with the SLO definitions.
 
-Each streamed SSE chunk of /v1/completions carries one token, so chunk arrival times are token
-times, unless the chunk says otherwise: a server that merges tokens into one chunk when it falls
-behind (vLLM) reports its running count with `stream_options.continuous_usage_stats`, and each of
+A streamed chunk may carry several tokens (vLLM merges them when its API server falls behind; both
+servers hold back a token whose bytes end mid-character), so every request asks for
+`stream_options.continuous_usage_stats`: each chunk reports the running token count, and each of
 a chunk's tokens is timed at the chunk's arrival. Arrival is when the request is sent.
 """
 
@@ -38,18 +38,17 @@ async def stream_completion(
     base_url: str,
     model: str,
     req: LoadRequest,
-    extra_body: dict[str, Any] | None = None,
 ) -> RequestTiming:
     body = {
         "model": model,
         "prompt": req.prompt,
         "max_tokens": req.max_tokens,
         "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "temperature": 0,
         "ignore_eos": True,
         "slo": {"ttft_ms": req.slo.ttft_ms, "tbt_ms": req.slo.tbt_ms},
         **({"slo_class": req.slo_class} if req.slo_class else {}),
-        **(extra_body or {}),
     }
     sent = time.monotonic()
     times: list[float] = []
@@ -66,8 +65,8 @@ async def stream_completion(
 
 
 def chunk_tokens(chunk: dict[str, Any], seen: int) -> int:
-    """Output tokens a streamed chunk carries: one per chunk with choices, unless its running usage
-    count (continuous usage stats) says how many; a usage-only chunk carries none."""
+    """Output tokens a streamed chunk carries, by its running usage count (continuous usage stats);
+    one per chunk with choices from a server that sends no count; a usage-only chunk carries none."""
     if not chunk.get("choices"):
         return 0
     usage = chunk.get("usage")
@@ -76,9 +75,7 @@ def chunk_tokens(chunk: dict[str, Any], seen: int) -> int:
     return 1
 
 
-async def run_load(
-    base_url: str, model: str, requests: Sequence[LoadRequest], extra_body: dict[str, Any] | None = None
-) -> tuple[list[RequestTiming], float]:
+async def run_load(base_url: str, model: str, requests: Sequence[LoadRequest]) -> tuple[list[RequestTiming], float]:
     """Send every request at its delay (open loop); returns the timings and the run's duration."""
     start = time.monotonic()
 
@@ -86,7 +83,7 @@ async def run_load(
         await asyncio.sleep(max(0.0, start + req.delay_s - time.monotonic()))
         sent = time.monotonic()
         try:
-            return await stream_completion(session, base_url, model, req, extra_body)
+            return await stream_completion(session, base_url, model, req)
         except (aiohttp.ClientError, RuntimeError) as exc:  # one failed request, not a failed run
             return RequestTiming(sent, (), req.slo, error=f"{type(exc).__name__}: {exc}")
 

@@ -57,16 +57,6 @@ class Contender:
         return cls(policy, int(threads))
 
 
-# vLLM merges tokens into one chunk when its API server falls behind; this makes every chunk carry
-# the running token count, so the client times each token (ours sends one token per chunk).
-VLLM_STREAM_BODY = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-
-
-def request_body(c: Contender) -> dict | None:
-    """Fields added to every request body sent to this contender."""
-    return VLLM_STREAM_BODY if c.is_vllm else None
-
-
 @dataclass(frozen=True)
 class ServerCommand:
     argv: tuple[str, ...]

@@ -38,7 +38,7 @@ from rich.console import Console
 from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.loadgen import LoadRequest, run_load, stream_completion
 from superinfer.bench.peer_loads import CLASSES, HOL_SLO, LOADS, SEQUENTIAL, LoadShape, figures, items
-from superinfer.bench.peer_settings import Contender, Matched, command, request_body
+from superinfer.bench.peer_settings import Contender, Matched, command
 from superinfer.bench.peer_table import Results, markdown, rich_table, spreads, versus_vllm
 from superinfer.bench.record import write_result
 from superinfer.bench.server_process import Launch, free_port, serving
@@ -73,13 +73,11 @@ async def counters(http: aiohttp.ClientSession, url: str, vllm: bool) -> tuple[f
         return parse_counters(await resp.text(), vllm)
 
 
-async def run_sequential(
-    url: str, model: str, requests: Sequence[LoadRequest], extra_body: dict | None
-) -> tuple[list[RequestTiming], float]:
+async def run_sequential(url: str, model: str, requests: Sequence[LoadRequest]) -> tuple[list[RequestTiming], float]:
     """One request at a time, each sent when the previous one finished."""
     start = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-        timings = [await stream_completion(http, url, model, r, extra_body) for r in requests]
+        timings = [await stream_completion(http, url, model, r) for r in requests]
     return timings, time.monotonic() - start
 
 
@@ -101,9 +99,9 @@ async def measure(
     async with aiohttp.ClientSession() as http:
         rot0, pre0 = await counters(http, url, contender.is_vllm)
         if load in SEQUENTIAL:
-            timings, duration = await run_sequential(url, model, reqs, request_body(contender))
+            timings, duration = await run_sequential(url, model, reqs)
         else:
-            timings, duration = await run_load(url, model, reqs, request_body(contender))
+            timings, duration = await run_load(url, model, reqs)
         rot1, pre1 = await counters(http, url, contender.is_vllm)
     rotations = None if rot0 is None or rot1 is None else rot1 - rot0
     return figures(load, work, timings, duration, rotations, pre1 - pre0)

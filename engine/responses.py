@@ -23,7 +23,7 @@ class ChoiceSpec:
     index: int
     prompt_index: int
     echo: str | None = None  # prompt text to put before the completion (completions' echo)
-    prompt_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()  # for echo and prompt logprobs
     score_only: bool = False  # max_tokens 0 with echo: the generated token is dropped
 
 

@@ -331,7 +331,7 @@ class OpenAIServer:
                 echo = prompt if isinstance(prompt, str) else self._tokenizer().decode(ids, skip_special_tokens=False)
             for j in range(body.n):
                 index = p * body.n + j
-                specs.append(ChoiceSpec(index, p, echo, tuple(ids) if body.echo else (), score_only))
+                specs.append(ChoiceSpec(index, p, echo, tuple(ids), score_only))
                 requests.append((ids, for_choice(sampling, index), j))
         fmt = CompletionFormat(rid, self.model_name, self.core.tokenizer, specs, sum(map(len, prompts)))
         return await self._generate(request, body, rid, requests, fmt)
@@ -343,7 +343,7 @@ class OpenAIServer:
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids))
         sampling = body.sampling(max_tokens, body.requested_logprobs(), self.core.model_config.vocab_size)
         rid = f"chatcmpl-{request_id(request)}"
-        specs = [ChoiceSpec(j, 0) for j in range(body.n)]
+        specs = [ChoiceSpec(j, 0, prompt_token_ids=tuple(ids)) for j in range(body.n)]
         requests = [(ids, for_choice(sampling, j), j) for j in range(body.n)]
         fmt = ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids))
         return await self._generate(request, body, rid, requests, fmt)
@@ -387,21 +387,23 @@ class OpenAIServer:
         headers = {"x-request-id": fmt.rid}
         async with aclosing(merge(streams)) as it:
             try:
+                outs: dict[int, list[RequestOutput]] = {}
                 if not stream:
-                    outs: dict[int, list[RequestOutput]] = {}
                     async for index, out in it:
                         outs.setdefault(index, []).append(out)
-                    return web.json_response(fmt.full(outs), headers=headers)
-                first = await anext(it, None)  # errors before the first token still get a JSON status
+                else:
+                    first = await anext(it, None)  # errors before the first token still get a JSON status
             except (ValueError, EngineDeadError) as exc:
                 raise engine_error(exc) from exc
+            if not stream:
+                return web.json_response(fmt.full(outs), headers=headers)
             resp = web.StreamResponse(
                 headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await resp.prepare(request)
             usage_field = {"usage": None} if include_usage and not continuous_usage else {}
             for start in fmt.start():
-                await resp.write(sse({**start, **usage_field}))
+                await resp.write(sse({**start, **({"usage": fmt.usage()} if continuous_usage else usage_field)}))
             try:
                 if first is not None:
                     await self._write_chunk(resp, fmt, first, continuous_usage, usage_field)

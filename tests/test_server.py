@@ -15,32 +15,9 @@ from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.server import RunningServer, start_server
 from superinfer.engine.worker.runner import SubmittedStep
+from tests.conftest import SERVED_MODEL
 
-MODEL = "tiny-test"
-
-
-@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
-async def server(request):
-    running = await start_server(
-        EngineConfig(
-            model="tiny",
-            served_model_name=MODEL,
-            device="cpu",
-            port=0,
-            max_model_len=256,
-            num_gpu_blocks=64,
-            max_request_bytes=64 * 1024,
-            async_scheduling=request.param,
-        )
-    )
-    yield running
-    await running.close()
-
-
-@pytest.fixture
-async def client(server: RunningServer):
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as cl:
-        yield cl
+MODEL = SERVED_MODEL
 
 
 async def all_blocks_free(server: RunningServer, timeout: float = 10.0) -> bool:

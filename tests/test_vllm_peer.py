@@ -20,7 +20,6 @@ from superinfer.bench.peer_settings import (
     Matched,
     ServerCommand,
     cpu_list,
-    request_body,
     superinfer_command,
     vllm_command,
 )
@@ -126,8 +125,6 @@ def test_contender_names():
     for bad in ("rotary", "sglang@1", "fcfs@0", "fcfs@x"):
         with pytest.raises(ValueError):
             Contender.parse(bad)
-    assert request_body(Contender("vllm", 1))["stream_options"]["continuous_usage_stats"] is True
-    assert request_body(Contender("fcfs", 1)) is None
 
 
 # --- measuring ------------------------------------------------------------------------------------
