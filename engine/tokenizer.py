@@ -22,8 +22,7 @@ import tokenizers
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-REPLACEMENT_CHAR = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
 class ChatTemplateError(ValueError):
@@ -224,21 +223,17 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into a stream of text, for byte-level BPE and others.
+    """Turns a stream of token ids into a stream of text, through `tokenizers`' DecodeStream.
 
     `feed` returns only text that is final: a multi-byte character split across tokens is held
-    back (its partial decode ends in U+FFFD) until complete. Decoding a small window that starts
-    at a previously emitted boundary keeps it cheap and keeps leading-space rules (Metaspace)
-    right. After `flush()`, `text` equals `tokenizer.decode(all_ids)`.
+    back until complete. After `flush()`, `text` equals `tokenizer.decode(all_ids)`.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
-        self._prefix = 0  # window start: context already emitted, decoded again for spacing
-        self._read = 0  # ids before this are emitted
-        self._prefix_text = ""
         self._parts: list[str] = []
 
     @property
@@ -249,24 +244,21 @@ class IncrementalDetokenizer:
     def token_ids(self) -> list[int]:
         return list(self._ids)
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
-
-    def _advance(self, force: bool) -> str:
-        full = self._decode(self._ids[self._prefix :])
-        if len(full) <= len(self._prefix_text) or (full.endswith(REPLACEMENT_CHAR) and not force):
-            return ""
-        new = full[len(self._prefix_text) :]
-        self._prefix, self._read = self._read, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix : self._read])
-        self._parts.append(new)
-        return new
-
     def feed(self, new_token_ids: Iterable[int]) -> str:
         """Add ids; return the text they complete (possibly "")."""
-        self._ids.extend(int(i) for i in new_token_ids)
-        return self._advance(force=False)
+        new = []
+        for token_id in new_token_ids:
+            self._ids.append(int(token_id))
+            chunk = self._stream.step(self._tokenizer.backend, int(token_id))
+            if chunk:
+                new.append(chunk)
+        self._parts += new
+        return "".join(new)
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character becomes U+FFFD), at end of stream."""
-        return self._advance(force=True)
+        emitted = self.text
+        tail = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)[len(emitted) :]
+        if tail:
+            self._parts.append(tail)
+        return tail
