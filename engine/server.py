@@ -76,7 +76,8 @@ REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def request_id(request: web.Request) -> str:
-    """The client's X-Request-Id if it sent one, else a new id; echoed in every response."""
+    """The client's X-Request-Id if it sent one, else a new id: logged with errors and echoed in
+    the response's x-request-id header (the body's `id` is the server's own, always unique)."""
     rid = request.get(REQUEST_ID)
     if rid is None:
         rid = request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -321,7 +322,7 @@ class OpenAIServer:
         score_only = body.max_tokens == 0  # echo scoring: generate one token, return none
         # With echo and logprobs the prompt tokens' logprobs are part of the answer.
         prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
-        rid = f"cmpl-{request_id(request)}"
+        rid = f"cmpl-{uuid.uuid4().hex}"
         specs, requests = [], []
         for p, (prompt, ids) in enumerate(zip(body.prompts(), prompts, strict=True)):
             max_tokens = self._max_tokens(1 if score_only else body.max_tokens, len(ids))
@@ -342,7 +343,7 @@ class OpenAIServer:
         ids = self._tokenizer().encode(self._chat_prompt(body), add_special_tokens=body.add_special_tokens)
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids))
         sampling = body.sampling(max_tokens, body.requested_logprobs(), self.core.model_config.vocab_size)
-        rid = f"chatcmpl-{request_id(request)}"
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         specs = [ChoiceSpec(j, 0, prompt_token_ids=tuple(ids)) for j in range(body.n)]
         requests = [(ids, for_choice(sampling, j), j) for j in range(body.n)]
         fmt = ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids))
@@ -384,7 +385,7 @@ class OpenAIServer:
         include_usage: bool,
         continuous_usage: bool,
     ) -> web.StreamResponse:
-        headers = {"x-request-id": fmt.rid}
+        headers = {"x-request-id": request_id(request)}
         async with aclosing(merge(streams)) as it:
             try:
                 outs: dict[int, list[RequestOutput]] = {}
