@@ -113,6 +113,12 @@ def test_random_sampling_lark_grammar(compiler: GrammarCompiler, tok: Tokenizer,
     assert ended and re.fullmatch(r"\(\d{1,3}(,\d{1,3}){0,3}\)", text), text
 
 
+def test_gbnf_grammar_is_converted(compiler: GrammarCompiler, tok: Tokenizer) -> None:
+    matcher = GrammarMatcher(compiler.compile(GuidedSpec("grammar", 'root ::= "yes" | "no"')))
+    assert all(matcher.accept(t) for t in tok.encode("no", add_special_tokens=False))
+    assert matcher.is_terminated()
+
+
 # ----------------------------------------------------------------------------------------------
 # EOS, errors, rows without a grammar, wide vocabularies.
 
@@ -168,6 +174,7 @@ def test_rollback(compiler: GrammarCompiler, tok: Tokenizer) -> None:
         (GuidedSpec("json_schema", "{not json"), "json_schema"),
         (GuidedSpec("regex", "a(b"), "(?s)regex.*unclosed group"),
         (GuidedSpec("grammar", "start: undefined_rule"), "(?s)grammar.*undefined_rule"),
+        (GuidedSpec("grammar", 'root ::= ( "a"'), "(?s)grammar.*GBNF"),
         (GuidedSpec("choice", "[]"), "choice"),
     ],
 )
