@@ -1,0 +1,321 @@
+"""Grammar-constrained decoding (structured outputs) with llguidance.
+
+A request's constraint is a `GuidedSpec` (JSON schema, any JSON object, regex, choice list or
+Lark grammar), built from OpenAI's `response_format` or vLLM's `guided_*` / `structured_outputs`
+fields. `GrammarCompiler.compile` turns it into a `CompiledGrammar` once (LRU-cached) and fails
+with `GrammarError` at admission; each sequence then walks the grammar with its own
+`GrammarMatcher`. Per step, `fill_bitmasks` computes the allowed tokens of a batch (llguidance's
+executor, GIL released, so it can overlap the model forward) and `apply_bitmask` sets the
+disallowed logits to -inf on the logits' device.
+
+EOS: the compiler gives llguidance the tokenizer's EOS ids; the mask allows them only where the
+grammar accepts, and once the grammar can go no further (`is_terminated`) EOS is all it allows.
+Ids past the tokenizer's vocabulary (a model whose logits are wider) are never allowed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+import torch
+
+from .tokenizer import Tokenizer
+
+GuidedKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+
+# JSON layout forced on every schema: no whitespace anywhere except at most one space after ','
+# and ':' (llguidance treats the separators as regexes). Unbounded whitespace lets a model,
+# a random one certainly, emit blanks forever; one optional space keeps `{"a": 1, "b": 2}`,
+# which is how most models were trained to write JSON, and `{"a":1,"b":2}`.
+JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
+
+# vLLM `structured_outputs` keys that tune a backend; accepted and ignored.
+_IGNORED_STRUCTURED_KEYS = frozenset(
+    {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+)
+
+
+class GrammarError(ValueError):
+    """A structured-output request is malformed or its grammar does not compile (HTTP 400)."""
+
+
+def _schema(value: Any, field: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"{field} is not valid JSON: {e}") from e
+    if not isinstance(value, Mapping):
+        raise GrammarError(f"{field} must be a JSON schema object, got {type(value).__name__}")
+    return dict(value)
+
+
+def _text(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"{field} must be a non-empty string")
+    return value
+
+
+def _choices(value: Any, field: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise GrammarError(f"{field} must be a non-empty list of strings")
+    return value
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """One request's output constraint. `value` is the schema's JSON text (compact, key order
+    kept: it is the order the properties are generated in), the regex, the choices as a JSON
+    list, or the Lark (or GBNF) grammar; "" for json_object."""
+
+    kind: GuidedKind
+    value: str
+
+    @classmethod
+    def for_json_schema(cls, schema: Mapping[str, Any]) -> GuidedSpec:
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+
+    @classmethod
+    def from_response_format(cls, response_format: Mapping[str, Any] | None) -> GuidedSpec | None:
+        """OpenAI `response_format`: text (None), json_object, or json_schema."""
+        if response_format is None:
+            return None
+        if not isinstance(response_format, Mapping):
+            raise GrammarError("response_format must be an object")
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls("json_object", "")
+        if kind == "json_schema":
+            wrapper = response_format.get("json_schema")
+            if not isinstance(wrapper, Mapping):
+                raise GrammarError("response_format.json_schema must be an object with a 'schema'")
+            if "schema" not in wrapper:
+                raise GrammarError("response_format.json_schema.schema is required")
+            return cls.for_json_schema(_schema(wrapper["schema"], "response_format.json_schema.schema"))
+        raise GrammarError(f"response_format.type must be one of 'text', 'json_object', 'json_schema', got {kind!r}")
+
+    @classmethod
+    def _from_vllm(cls, key: str, value: Any, field: str) -> GuidedSpec | None:
+        if key == "json":
+            return cls.for_json_schema(_schema(value, field))
+        if key == "regex":
+            return cls("regex", _text(value, field))
+        if key == "choice":
+            return cls("choice", json.dumps(_choices(value, field), ensure_ascii=False))
+        if key == "grammar":
+            return cls("grammar", _text(value, field))
+        if key == "json_object":
+            if not isinstance(value, bool):
+                raise GrammarError(f"{field} must be a boolean")
+            return cls("json_object", "") if value else None
+        raise GrammarError(f"{field} is not supported")
+
+    @classmethod
+    def from_request(
+        cls,
+        *,
+        response_format: Mapping[str, Any] | None = None,
+        guided_json: Any = None,
+        guided_regex: Any = None,
+        guided_choice: Any = None,
+        guided_grammar: Any = None,
+        structured_outputs: Mapping[str, Any] | None = None,
+    ) -> GuidedSpec | None:
+        """The one constraint a request sets, or None. Setting two (say response_format and
+        guided_regex, or two keys of structured_outputs) is an error."""
+        found: dict[str, GuidedSpec] = {}
+        if (spec := cls.from_response_format(response_format)) is not None:
+            found["response_format"] = spec
+        legacy = {"json": guided_json, "regex": guided_regex, "choice": guided_choice, "grammar": guided_grammar}
+        for key, value in legacy.items():
+            if value is not None and (spec := cls._from_vllm(key, value, f"guided_{key}")) is not None:
+                found[f"guided_{key}"] = spec
+        if structured_outputs is not None:
+            if not isinstance(structured_outputs, Mapping):
+                raise GrammarError("structured_outputs must be an object")
+            for key, value in structured_outputs.items():
+                if value is None or key in _IGNORED_STRUCTURED_KEYS:
+                    continue
+                field = f"structured_outputs.{key}"
+                if (spec := cls._from_vllm(key, value, field)) is not None:
+                    found[field] = spec
+        if len(found) > 1:
+            raise GrammarError(f"only one structured-output constraint may be set, got {', '.join(found)}")
+        return next(iter(found.values()), None)
+
+
+def _grammar_text(spec: GuidedSpec) -> str:
+    """llguidance's grammar definition for `spec` (not yet checked)."""
+    try:
+        if spec.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)
+        if spec.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=JSON_LAYOUT)
+        if spec.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec.value)
+        if spec.kind == "choice":
+            # JSON string literals are valid Lark literals.
+            choices = _choices(json.loads(spec.value), "choice")
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if spec.kind == "grammar":
+            return llguidance.grammar_from("grammar", spec.value)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+        raise GrammarError(f"invalid {spec.kind}: {e}") from e
+    raise GrammarError(f"unknown structured-output kind {spec.kind!r}")
+
+
+class CompiledGrammar:
+    """A checked grammar bound to the model's tokenizer. Its matcher is never advanced: each
+    sequence's `GrammarMatcher` starts as a copy of it (about a microsecond; building a matcher
+    from the grammar again would cost a compile)."""
+
+    __slots__ = ("_initial", "mask_words", "spec")
+
+    def __init__(self, spec: GuidedSpec, initial: llguidance.LLMatcher, mask_words: int) -> None:
+        self.spec = spec
+        self.mask_words = mask_words
+        self._initial = initial
+
+
+class GrammarCompiler:
+    """Compiles `GuidedSpec`s for one model; thread-safe.
+
+    `vocab_size` is the model's logits width; it may exceed the tokenizer's vocabulary, and the
+    extra ids are masked out.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+        n_vocab = max(vocab_size, tokenizer.vocab_size)
+        # A tokenizer.json string goes to llguidance's own `tokenizers` binding: no transformers.
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=sorted(tokenizer.eos_token_ids) or None
+        )
+        self.vocab_size = vocab_size
+        self.mask_words = (n_vocab + 31) // 32
+        self.eos_token_ids: list[int] = list(self._tokenizer.eos_tokens)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[GuidedSpec, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GuidedSpec) -> CompiledGrammar:
+        """Compile (or fetch) `spec`; GrammarError carries llguidance's message. Compiling a
+        large schema can take a while (the GIL is released), so callers on an event loop may
+        want a thread."""
+        with self._lock:
+            if (hit := self._cache.get(spec)) is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        compiled = self._build(spec)
+        with self._lock:
+            compiled = self._cache.setdefault(spec, compiled)  # another thread may have won
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _build(self, spec: GuidedSpec) -> CompiledGrammar:
+        initial = llguidance.LLMatcher(self._tokenizer, _grammar_text(spec), log_level=0)
+        if initial.is_error():
+            raise GrammarError(f"invalid {spec.kind}: {initial.get_error()}")
+        return CompiledGrammar(spec, initial, self.mask_words)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar. Not thread-safe: do not `accept` while a
+    `fill_bitmasks` that includes this matcher is running."""
+
+    __slots__ = ("_m", "mask_words")
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self._m = grammar._initial.deep_copy()
+        self.mask_words = grammar.mask_words
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False (and the matcher is in error for good) if the
+        grammar forbids it."""
+        return self._m.consume_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """Nothing but EOS can follow (the grammar is complete, EOS was taken, or an error)."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding)."""
+        if not self._m.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32, CPU, contiguous; bit t%32 of
+        word t//32 set = token t allowed)."""
+        _check_bitmask(bitmask, self.mask_words, row + 1)
+        self._m.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), self.mask_words * 4)
+
+
+def _check_bitmask(bitmask: torch.Tensor, words: int, rows: int) -> None:
+    # llguidance writes through a raw pointer: a wrong shape would corrupt memory, not raise.
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous int32 CPU tensor")
+    if bitmask.dim() != 2 or bitmask.shape[1] != words or bitmask.shape[0] < rows:
+        raise ValueError(f"bitmask must be [>= {rows}, {words}], got {list(bitmask.shape)}")
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()  # threads: 80% of the CPUs, at most 32
+
+
+def fill_bitmasks(matchers: Sequence[GrammarMatcher | None], out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The batch's bitmask [len(matchers), words] (in `out` if given, e.g. pinned and reused),
+    rows without a matcher all-allowed; None when no row has one.
+
+    The masks are computed in parallel by llguidance's executor with the GIL released, so this
+    can run in a background thread during the forward pass.
+    """
+    rows = [(m._m, i) for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return None
+    words = {m.mask_words for m in matchers if m is not None}
+    if len(words) != 1:
+        raise ValueError("the matchers of one batch must come from one GrammarCompiler")
+    (width,) = words
+    if out is None:
+        out = torch.full((len(matchers), width), -1, dtype=torch.int32)
+    else:
+        _check_bitmask(out, width, len(matchers))
+        free = [i for i, m in enumerate(matchers) if m is None]
+        if free:
+            out[free] = -1
+    _executor().unsafe_compute_mask_ptr(rows, out.data_ptr(), width * 4, out.shape[0])
+    return out[: len(matchers)]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the logits of disallowed tokens to -inf, in place, on the logits' device.
+
+    `logits` is [rows, vocab]; ids at or past 32 * bitmask.shape[1] are disallowed.
+    """
+    rows, vocab = logits.shape
+    if bitmask.dim() != 2 or bitmask.shape[0] != rows or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 [{rows}, words], got {bitmask.dtype} {list(bitmask.shape)}")
+    width = bitmask.shape[1] * 32
+    # As bytes (torch runs on little-endian hosts only), token t is bit t % 8 of byte t // 8.
+    packed = bitmask.to(logits.device, non_blocking=True).contiguous().view(torch.uint8)
+    shifts = torch.arange(8, device=logits.device, dtype=torch.uint8)
+    disallowed = ((packed[:, :, None] >> shifts) & 1).view(rows, width) == 0
+    n = min(vocab, width)
+    logits[:, :n].masked_fill_(disallowed[:, :n], float("-inf"))
+    if vocab > width:
+        logits[:, width:] = float("-inf")
