@@ -85,6 +85,11 @@ class EngineConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     api_key: str | None = None
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="how tool calls are read from this model's output (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: "
+        "Llama 3.x); needed for tool_choice 'auto'",
+    )
     metrics_compat: Literal["vllm"] | None = None
     max_request_bytes: int = Field(4 << 20, ge=1024)
     shutdown_timeout_s: float = Field(45.0, ge=0)

@@ -31,6 +31,7 @@ from superinfer.engine.metrics import EngineMetrics
 from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo import SLO
+from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from superinfer.engine.worker.attention import allocate_kv_cache
 from superinfer.engine.worker.host_memory import (
@@ -200,8 +201,16 @@ class EngineCore:
             make_policy(config.policy, rotary, num_blocks),
             clock,
         )
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size) if self.tokenizer else None
         self.runner = ModelRunner(
-            loaded.model, kv_cache, bs, mc.head_dim**-0.5, cpu_cache, duplex=config.duplex, streams=streams
+            loaded.model,
+            kv_cache,
+            bs,
+            mc.head_dim**-0.5,
+            cpu_cache,
+            duplex=config.duplex,
+            streams=streams,
+            grammars=self.grammars,
         )
         if num_cpu_blocks and config.transfer_budget_blocks < self.kv.blocks_for(self.max_model_len):
             log.warning(

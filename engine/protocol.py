@@ -3,8 +3,7 @@
 Fields follow OpenAI's API plus vLLM's well-known extras (top_k, min_p, repetition_penalty, ...),
 which clients and harnesses send. An explicit null means the field's default. A field the server
 does not know is ignored with a warning, as vLLM does, unless it looks like a typo of a known one
-(then it is a 400 that says which field was meant); fields that change what is generated and that
-this server cannot honour are refused by name rather than silently ignored.
+(then it is a 400 that says which field was meant).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.guided import GrammarError, GuidedSpec
 
 
 class APIError(Exception):
@@ -38,8 +38,6 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# vLLM fields that would change the output and that this server does not implement yet.
-UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 MAX_N = 128
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -61,11 +59,9 @@ class _Body(BaseModel):
         return sorted(self.model_extra or {})
 
     def check_unknown(self) -> list[str]:
-        """Refuse likely typos and unsupported vLLM fields by name; return the fields to ignore."""
+        """Refuse likely typos by name; return the fields to ignore."""
         unknown = self.unknown_fields()
         for name in unknown:
-            if name in UNSUPPORTED_FIELDS:
-                raise APIError(400, f"unsupported parameter: {name!r} is not supported by this server", param=name)
             close = difflib.get_close_matches(name, list(type(self).model_fields), n=1, cutoff=0.8)
             if close:
                 raise APIError(400, f"unrecognized request argument {name!r}: did you mean {close[0]!r}?", param=name)
@@ -76,6 +72,11 @@ class SLOField(BaseModel):
     model_config = ConfigDict(extra="forbid")  # our own field: strict
     ttft_ms: float | None = Field(None, gt=0)
     tbt_ms: float | None = Field(None, gt=0)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
 
 
 class StreamOptions(_Body):
@@ -105,6 +106,12 @@ class _Common(_Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # as in HF's fast tokenizers, which ignore it
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     user: str | None = None
     slo_class: str | None = None
     slo: SLOField | None = None
@@ -132,8 +139,32 @@ class _Common(_Body):
             pairs.append((int(key), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias))))
         return tuple(pairs)
 
+    def guided(self) -> GuidedSpec | None:
+        """The output constraint the request sets (response_format or vLLM's fields), if any."""
+        try:
+            return GuidedSpec.from_request(
+                response_format=self.response_format.model_dump() if self.response_format else None,
+                guided_json=self.guided_json,
+                guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar,
+                structured_outputs=self.structured_outputs,
+            )
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=self.guided_field()) from exc
+
+    def guided_field(self) -> str:
+        """The field that sets the request's output constraint (an error's `param`)."""
+        fields = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+        return next((name for name in fields if getattr(self, name) is not None), "response_format")
+
     def sampling(
-        self, max_tokens: int, logprobs: int | None, vocab_size: int, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        vocab_size: int,
+        prompt_logprobs: int | None = None,
+        guided: GuidedSpec | None = None,
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -155,6 +186,7 @@ class _Common(_Body):
                 repetition_penalty=self.repetition_penalty,
                 logit_bias=self.logit_biases(vocab_size),
                 skip_special_tokens=self.skip_special_tokens,
+                guided=guided,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
@@ -217,11 +249,6 @@ class ChatMessage(BaseModel):
         return message if self.name is None else {**message, "name": self.name}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -230,22 +257,15 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template adds BOS itself
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        unsupported = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "response_format": self.response_format is not None and self.response_format.type != "text",
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise APIError(400, f"unsupported parameter: {name!r} is not supported by this server", param=name)
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice requires tools", param="tool_choice")
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError(
                 400,
@@ -268,6 +288,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -8,11 +8,13 @@ once and every choice's tokens.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from superinfer.engine.output import RequestOutput
 from superinfer.engine.tokenizer import Tokenizer
+from superinfer.engine.tool_parsers import ContentDelta, ToolCallDelta, ToolParser
 from superinfer.engine.worker.runner import TokenLogprob
 
 
@@ -176,10 +178,43 @@ class ChatFormat(CompletionFormat):
             ]
         }
 
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        tokenizer: Tokenizer | None,
+        choices: list[ChoiceSpec],
+        prompt_tokens: int,
+        tool_parser: ToolParser | None = None,
+    ) -> None:
+        super().__init__(rid, model, tokenizer, choices, prompt_tokens)
+        self.tool_parser = tool_parser
+        self.tool_streams = [tool_parser.stream() for _ in choices] if tool_parser else []
+        self.call_ids: list[dict[int, str]] = [{} for _ in choices]  # per choice: call index -> id
+
+    def _call_id(self, index: int, call: int) -> str:
+        return self.call_ids[index].setdefault(call, f"call_{uuid.uuid4().hex[:24]}")
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.call_ids[index] else reason
+
     def _choice(self, index: int, outs: list[RequestOutput], first: bool) -> dict[str, Any]:
         base = super()._choice(index, outs, first)
-        content = base.pop("text")
-        return {"index": index, "message": {"role": "assistant", "content": content}, **base}
+        message: dict[str, Any] = {"role": "assistant", "content": base.pop("text")}
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.parse(message["content"])
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": self._call_id(index, i),
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments_json},
+                    }
+                    for i, call in enumerate(parsed.tool_calls)
+                ]
+        base["finish_reason"] = self._finish_reason(index, base["finish_reason"])
+        return {"index": index, "message": message, **base}
 
     def start(self) -> list[dict[str, Any]]:
         return [
@@ -197,16 +232,35 @@ class ChatFormat(CompletionFormat):
         ]
 
     def chunk(self, index: int, out: RequestOutput, continuous_usage: bool) -> dict[str, Any] | None:
-        body = super().chunk(index, out, continuous_usage)
-        if body is None:
+        first, self.started[index] = not self.started[index], True
+        self._count(index, out)
+        base = CompletionFormat._choice(self, index, [out], first)
+        text = base.pop("text")
+        delta: dict[str, Any] = {}
+        if self.tool_parser is not None:
+            stream = self.tool_streams[index]
+            events = stream.feed(text) + (stream.finish() if out.finished else [])
+            text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+            calls = [self._call_delta(index, e) for e in events if isinstance(e, ToolCallDelta)]
+            if calls:
+                delta["tool_calls"] = calls
+        if text:
+            delta["content"] = text
+        if not delta and base["logprobs"] is None and not out.finished:
             return None
-        choice = body["choices"][0]
-        message = choice.pop("message")
-        choice["delta"] = {"content": message["content"]} if message["content"] or not out.finished else {}
+        base["finish_reason"] = self._finish_reason(index, base["finish_reason"])
+        body = self._envelope([{"index": index, "delta": delta, **base}])
+        if continuous_usage:
+            body["usage"] = self.usage()
         return body
 
-    def _carries(self, choice: dict[str, Any]) -> bool:
-        return bool(choice["message"]["content"]) or choice["logprobs"] is not None
+    def _call_delta(self, index: int, event: ToolCallDelta) -> dict[str, Any]:
+        function: dict[str, Any] = {"arguments": event.arguments}
+        delta: dict[str, Any] = {"index": event.index}
+        if event.name is not None:  # a call's first delta: its id, type and name
+            delta |= {"id": self._call_id(index, event.index), "type": "function"}
+            function["name"] = event.name
+        return {**delta, "function": function}
 
     def full(self, outs: dict[int, list[RequestOutput]]) -> dict[str, Any]:
         body = super().full(outs)

@@ -23,6 +23,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import AsyncEngine, EngineCore, EngineDeadError
+from superinfer.engine.guided import GrammarError, GuidedSpec
 from superinfer.engine.output import RequestOutput
 from superinfer.engine.protocol import (
     APIError,
@@ -36,6 +37,7 @@ from superinfer.engine.responses import ChatFormat, ChoiceSpec, CompletionFormat
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
 from superinfer.engine.tokenizer import Tokenizer
+from superinfer.engine.tool_parsers import ToolParser, get_parser
 
 log = logging.getLogger("superinfer.server")
 
@@ -285,6 +287,7 @@ class OpenAIServer:
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 **(body.chat_template_kwargs or {}),
+                **({"tools": body.tools} if getattr(body, "tools", None) else {}),
             )
         except Exception as exc:  # a template may raise on roles or orders it does not support
             raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
@@ -315,9 +318,41 @@ class OpenAIServer:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         return self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
 
+    async def _compiled(self, spec: GuidedSpec | None, param: str) -> GuidedSpec | None:
+        """Compile the request's grammar now (off the event loop; cached), so a schema the engine
+        cannot follow is a 400 before anything runs."""
+        if spec is None:
+            return None
+        if self.core.grammars is None:
+            raise APIError(400, "structured output needs a tokenizer: this model has none", param=param)
+        try:
+            await asyncio.to_thread(self.core.grammars.compile, spec)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=param) from exc
+        return spec
+
+    def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
+        """How tool calls are read from the output: the server's parser for tool_choice "auto";
+        for "required" or a named function the output is constrained to the parser's format."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        configured = self.config.tool_call_parser
+        if body.tool_choice in (None, "auto"):
+            if configured is None:
+                raise APIError(
+                    400,
+                    "tool_choice 'auto' (the default with tools) needs the server started with --tool-call-parser "
+                    "(hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.x); 'required' and named functions "
+                    "work without it",
+                    param="tool_choice",
+                )
+            return get_parser(configured)
+        return get_parser(configured or "hermes")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_capacity()
+        guided = await self._compiled(body.guided(), body.guided_field())
         prompts = [self._prompt_ids(p) for p in body.prompts()]
         score_only = body.max_tokens == 0  # echo scoring: generate one token, return none
         # With echo and logprobs the prompt tokens' logprobs are part of the answer.
@@ -326,7 +361,7 @@ class OpenAIServer:
         specs, requests = [], []
         for p, (prompt, ids) in enumerate(zip(body.prompts(), prompts, strict=True)):
             max_tokens = self._max_tokens(1 if score_only else body.max_tokens, len(ids))
-            sampling = body.sampling(max_tokens, body.logprobs, self.core.model_config.vocab_size, prompt_lps)
+            sampling = body.sampling(max_tokens, body.logprobs, self.core.model_config.vocab_size, prompt_lps, guided)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else self._tokenizer().decode(ids, skip_special_tokens=False)
@@ -340,13 +375,25 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_capacity()
+        guided, param = body.guided(), body.guided_field()
+        parser = self._tool_parser(body)
+        if parser is not None and body.tool_choice not in (None, "auto"):
+            if guided is not None:
+                raise APIError(400, "a forced tool_choice cannot be combined with response_format", param="tool_choice")
+            try:
+                grammar = parser.guided_grammar(body.tools, body.tool_choice, body.parallel_tool_calls)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tool_choice") from exc
+            guided, param = GuidedSpec("grammar", grammar), "tool_choice"
+        guided = await self._compiled(guided, param)
         ids = self._tokenizer().encode(self._chat_prompt(body), add_special_tokens=body.add_special_tokens)
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids))
-        sampling = body.sampling(max_tokens, body.requested_logprobs(), self.core.model_config.vocab_size)
+        vocab = self.core.model_config.vocab_size
+        sampling = body.sampling(max_tokens, body.requested_logprobs(), vocab, guided=guided)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         specs = [ChoiceSpec(j, 0, prompt_token_ids=tuple(ids)) for j in range(body.n)]
         requests = [(ids, for_choice(sampling, j), j) for j in range(body.n)]
-        fmt = ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids))
+        fmt = ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids), parser)
         return await self._generate(request, body, rid, requests, fmt)
 
     async def _generate(

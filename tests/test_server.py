@@ -108,7 +108,8 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "temprature": 1}, 400, "temprature"),
-    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "guided_json": {}}, 400, "guided_json"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "guided_json": {"type": "nonsense"}}, 400, "guided_json"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "guided_regex": "(unclosed"}, 400, "guided_regex"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": False}, 400, "max_tokens"),
@@ -123,7 +124,7 @@ BAD_REQUESTS = [
         c.CHAT_COMPLETIONS_PATH,
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,
-        "tools",
+        "tool_choice",
     ),
     (
         c.CHAT_COMPLETIONS_PATH,

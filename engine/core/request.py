@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
+from superinfer.engine.guided import GuidedSpec
 from superinfer.engine.slo import SLO
 
 
@@ -42,6 +43,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    guided: GuidedSpec | None = None  # structured output: the grammar every token must follow
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -65,6 +67,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.guided is not None and (self.ignore_eos or self.min_tokens):
+            # A finished grammar allows only EOS: both would leave no token to sample.
+            raise ValueError("ignore_eos and min_tokens cannot be combined with structured output")
 
     @property
     def penalized(self) -> bool:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from .config import ModelConfig
 from .decoder import DecoderLM, init_random_weights
 
-TINY_DIRNAME = "tiny-v1"  # bump when the files below change
+TINY_DIRNAME = "tiny-v2"  # bump when the files below change
 TINY_SEED = 1234
 TINY_VOCAB_SIZE = 3072
 
@@ -46,8 +46,15 @@ SPECIAL_TOKENS = (
 # Our own chat format in the Llama 3 style: each turn is a header naming the role, a blank line,
 # the text and <|eot_id|>; a trailing open assistant header asks the model to answer.
 CHAT_TEMPLATE = """\
-{#- SuperInfer tiny chat format. -#}
+{#- SuperInfer tiny chat format; tools and tool calls in the hermes style. -#}
 {{- bos_token -}}
+{%- if tools -%}
+    {{- "<|start_header_id|>system<|end_header_id|>\\n\\nYou may call these tools:\\n" -}}
+    {%- for tool in tools -%}
+        {{- tool | tojson ~ "\\n" -}}
+    {%- endfor -%}
+    {{- "<|eot_id|>" -}}
+{%- endif -%}
 {%- for message in messages -%}
     {%- if message.role not in ["system", "user", "assistant", "tool"] -%}
         {{- raise_exception("the tiny chat template has no role named '" ~ message.role ~ "'") -}}
@@ -60,7 +67,14 @@ CHAT_TEMPLATE = """\
         {%- set text = message.content | selectattr("type", "equalto", "text")
             | map(attribute="text") | join("\\n") -%}
     {%- endif -%}
-    {{- "<|start_header_id|>" ~ message.role ~ "<|end_header_id|>\\n\\n" ~ text | trim ~ "<|eot_id|>" -}}
+    {%- set out = namespace(text=text) -%}
+    {%- for call in message.tool_calls or [] -%}
+        {%- set arguments = call.function.arguments -%}
+        {%- if arguments is not string -%}{%- set arguments = arguments | tojson -%}{%- endif -%}
+        {%- set out.text = out.text ~ "<tool_call>\\n{\\"name\\": " ~ call.function.name | tojson
+            ~ ", \\"arguments\\": " ~ arguments ~ "}\\n</tool_call>" -%}
+    {%- endfor -%}
+    {{- "<|start_header_id|>" ~ message.role ~ "<|end_header_id|>\\n\\n" ~ out.text | trim ~ "<|eot_id|>" -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- "<|start_header_id|>assistant<|end_header_id|>\\n\\n" -}}

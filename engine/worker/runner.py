@@ -10,17 +10,22 @@ step t is collected (async scheduling).
 
 from __future__ import annotations
 
+import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
+from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
+from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, fill_bitmasks
 from superinfer.engine.worker.attention import PagedAttention, SeqSpan, plan_attention
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies
-from superinfer.engine.worker.sampling import SampledLogprobs, sample
+from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
 from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
 from superinfer.engine.worker.token_history import TokenHistories
+
+log = logging.getLogger("superinfer.runner")
 
 
 def torch_threads(requested: int | None) -> int:
@@ -133,6 +138,7 @@ class ModelRunner:
         cpu_cache: torch.Tensor | None = None,
         duplex: DuplexMode = "full",
         streams: Streams | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -144,6 +150,9 @@ class ModelRunner:
         self.scale = scale
         self.generators: dict[str, torch.Generator] = {}
         self.histories = TokenHistories(model.config.vocab_size, self.device)
+        self.grammars = grammars
+        self.matchers: dict[str, GrammarMatcher] = {}
+        self._masker: ThreadPoolExecutor | None = None  # fills grammar masks during the forward
         self._previous: SubmittedStep | None = None  # whose sampled tokens fill the next placeholders
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -175,6 +184,7 @@ class ModelRunner:
             for request_id in plan.released:
                 self.generators.pop(request_id, None)
                 self.histories.release(request_id)
+                self.matchers.pop(request_id, None)
             if inputs is not None:
                 with torch.inference_mode():
                     self._forward(plan, inputs, step, previous)
@@ -216,11 +226,12 @@ class ModelRunner:
                 raise RuntimeError(f"the previous step sampled no token for {missing}: stale placeholders")
             src = self._tensor([row_of[rid] for rid in x.placeholder_ids])
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
+        sampling = [s for s in plan.seqs if s.sample]
+        masks = self._start_masks(sampling)
         attn = PagedAttention(self.kv_cache, plan_attention(x.spans, self.kv_cache), self.scale)
         hidden = self.model(input_ids, self._tensor(x.positions), attn)
         if x.prompt_rows:
             self._score_prompts(hidden, x, step)
-        sampling = [s for s in plan.seqs if s.sample]
         if not sampling:
             return
         logits = self.model.compute_logits(hidden[self._tensor(x.sample_rows)])
@@ -228,15 +239,50 @@ class ModelRunner:
         gens = [self._generator(s.request_id, s.sampling.seed) for s in sampling]
         rows = self.histories.rows(sampling)
         history = self.histories.gather(rows) if rows is not None else None
-        tokens, logprobs = sample(logits, params, gens, [s.banned_token_ids for s in sampling], history)
+        grammar = None
+        if masks is not None:
+            guided_rows, future = masks
+            grammar = GrammarMasks(self._tensor(guided_rows), future.result())
+        banned = [s.banned_token_ids for s in sampling]
+        tokens, logprobs = sample(logits, params, gens, banned, history, grammar)
         if rows is not None:
             self.histories.record(rows, tokens)
+        if masks is not None:
+            self._advance_matchers([sampling[i] for i in masks[0]], tokens[grammar.rows].tolist())
         step.device_tokens = tokens
         step.tokens = self._to_host(tokens)
         if logprobs is not None:
             step.logprobs_wanted = [p.logprobs for p in params]
             parts = (logprobs.chosen, logprobs.top_ids, logprobs.top_values)
             step.logprobs = SampledLogprobs(*(self._to_host(t) for t in parts))
+
+    def _start_masks(self, sampling: list[ScheduledSeq]) -> tuple[list[int], Future] | None:
+        """Start filling the grammar masks of the rows under a grammar, on a thread of their own:
+        llguidance releases the GIL, so the masks are computed while the model runs."""
+        rows = [i for i, s in enumerate(sampling) if s.sampling.guided is not None]
+        if not rows:
+            return None
+        if self.grammars is None:
+            raise RuntimeError("structured output needs a tokenizer: this model has none")
+        matchers = []
+        for i in rows:
+            seq = sampling[i]
+            matcher = self.matchers.get(seq.request_id)
+            if matcher is None:
+                grammar = self.grammars.compile(seq.sampling.guided)
+                matcher = self.matchers[seq.request_id] = GrammarMatcher(grammar)
+            matchers.append(matcher)
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="superinfer-grammar")
+        return rows, self._masker.submit(fill_bitmasks, matchers)
+
+    def _advance_matchers(self, seqs: list[ScheduledSeq], tokens: list[int]) -> None:
+        """Move each grammar on by its sampled token (a host sync, in steps with such rows only:
+        the next step's masks depend on it)."""
+        for seq, token in zip(seqs, tokens, strict=True):
+            matcher = self.matchers[seq.request_id]
+            if not matcher.accept(token):
+                log.warning("request %s: token %d broke its grammar: %s", seq.request_id, token, matcher.error)
 
     def _score_prompts(self, hidden: torch.Tensor, x: _StepInputs, step: SubmittedStep) -> None:
         """Logprobs of the prompt tokens this step's chunks predict (echo, prompt_logprobs)."""

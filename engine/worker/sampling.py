@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.structured import apply_bitmask
 
 
 @dataclass
@@ -44,6 +45,14 @@ def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
     """A small per-step tensor on the device without a blocking host-to-device copy."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@dataclass
+class GrammarMasks:
+    """Allowed-token bitmasks (structured output) for some rows of the batch."""
+
+    rows: torch.Tensor  # [M] row indices
+    bitmask: torch.Tensor  # [M, words] int32
 
 
 @dataclass
@@ -84,15 +93,22 @@ def sample(
     generators: Sequence[torch.Generator | None],
     banned: Sequence[Sequence[int]] = (),
     history: TokenHistory | None = None,
+    grammar: GrammarMasks | None = None,
 ) -> tuple[torch.Tensor, SampledLogprobs | None]:
     """Sample one token per row of float32 `logits` [N, vocab].
 
     `banned[i]` are token ids row i may not produce (EOS and stop tokens before `min_tokens`).
-    `history` is needed when a row has a penalty. Logprobs are those of the model, before bias,
-    penalties, temperature and truncation (vLLM's default).
+    `history` is needed when a row has a penalty; `grammar` masks the rows under a grammar.
+    Logprobs are those of the model, before grammar, bias, penalties, temperature and truncation
+    (vLLM's default).
     """
     vocab = logits.shape[-1]
     scores = _bias(logits, params, banned)
+    if grammar is not None:
+        scores = scores.clone() if scores is logits else scores
+        constrained = scores[grammar.rows]
+        apply_bitmask(constrained, grammar.bitmask)
+        scores[grammar.rows] = constrained
     if history is not None:
         scores = _penalize(scores, params, history)
     if all(p.greedy for p in params):

@@ -1,0 +1,208 @@
+"""Structured output and tool calls over HTTP with the random-weight tiny model: whatever the model
+would say, a finished constrained answer always parses and validates."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from superinfer.engine.config import EngineConfig
+from superinfer.engine.output import RequestOutput
+from superinfer.engine.responses import ChatFormat, ChoiceSpec
+from superinfer.engine.server import start_server
+from superinfer.engine.tool_parsers import get_parser
+from tests.test_openai_api import post, stream
+from tests.test_server import MODEL
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "sunny": {"type": "boolean"},
+        "days": {"type": "integer", "minimum": 0, "maximum": 30},
+    },
+    "required": ["city", "sunny", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
+                "required": ["city", "celsius"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time"}},
+]
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 200, "seed": 3}
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+async def server(request):
+    """The tiny model with room for tool listings in the prompt (the shared fixture has 256 tokens)."""
+    running = await start_server(
+        EngineConfig(
+            model="tiny",
+            served_model_name=MODEL,
+            device="cpu",
+            port=0,
+            max_model_len=1024,
+            async_scheduling=request.param,
+        )
+    )
+    yield running
+    await running.close()
+
+
+@pytest.fixture
+async def client(server):
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as cl:
+        yield cl
+
+
+async def test_json_schema_answers_always_validate(server):
+    body = {**CHAT, "n": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
+    status, done = await post(server, "/v1/chat/completions", body)
+    assert status == 200, done
+    for choice in done["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    chunks = await stream(server, "/v1/chat/completions", {**body, "n": 1})
+    text = "".join(ch["delta"].get("content", "") for chunk in chunks for ch in chunk["choices"])
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+async def test_vllm_guided_fields_on_completions(server):
+    base = {"model": MODEL, "prompt": "Answer:", "max_tokens": 60, "seed": 1, "n": 3}
+    status, done = await post(server, "/v1/completions", {**base, "guided_choice": ["yes", "no", "maybe"]})
+    assert status == 200 and {ch["text"] for ch in done["choices"]} <= {"yes", "no", "maybe"}
+    status, done = await post(server, "/v1/completions", {**base, "guided_regex": r"[0-9]{3}-[a-z]{2}"})
+    assert status == 200
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", ch["text"]) for ch in done["choices"])
+    status, done = await post(server, "/v1/completions", {**base, "structured_outputs": {"json": SCHEMA}})
+    assert status == 200
+    for choice in done["choices"]:
+        jsonschema.validate(json.loads(choice["text"]), SCHEMA)
+
+
+async def test_a_schema_the_engine_cannot_follow_is_a_400(server):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}}
+    status, err = await post(server, "/v1/chat/completions", {**CHAT, "response_format": bad})
+    assert status == 400 and err["error"]["param"] == "response_format" and "json_schema" in err["error"]["message"]
+    status, err = await post(server, "/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}})
+    assert status == 400 and "response_format.type" in err["error"]["message"]
+    both = {**CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}}
+    status, err = await post(server, "/v1/chat/completions", both)
+    assert status == 400 and "only one" in err["error"]["message"]
+    status, err = await post(server, "/v1/chat/completions", {**CHAT, "guided_regex": "a+", "ignore_eos": True})
+    assert status == 400 and "ignore_eos" in err["error"]["message"]
+
+
+def check_calls(calls: list[dict], names: set[str]) -> None:
+    assert calls
+    params = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS}
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] in names
+        arguments = json.loads(call["function"]["arguments"])
+        if params[call["function"]["name"]]:
+            jsonschema.validate(arguments, params[call["function"]["name"]])
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
+async def test_forced_tool_calls_parse_and_validate_streamed_and_not(client, tool_choice):
+    names = {"get_weather", "get_time"} if tool_choice == "required" else {"get_weather"}
+    done = await client.chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], tools=TOOLS, tool_choice=tool_choice, max_tokens=200, seed=5
+    )
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == "tool_calls"
+    check_calls([c.model_dump() for c in message.tool_calls], names)
+    streamed: dict[int, dict] = {}
+    finish = None
+    async for chunk in await client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT["messages"],
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=200,
+        seed=5,
+        stream=True,
+    ):
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        for part in delta.tool_calls or []:
+            call = streamed.setdefault(part.index, {"type": "function", "function": {"arguments": ""}})
+            if part.id:
+                call["id"], call["function"]["name"] = part.id, part.function.name
+            call["function"]["arguments"] += part.function.arguments or ""
+    assert finish == "tool_calls"
+    check_calls(list(streamed.values()), names)
+    assert [c["function"] for c in streamed.values()] == [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
+    ]
+
+
+async def test_a_tool_round_trip_renders_through_the_chat_template(client, server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "It is 12:30."},
+    ]
+    status, rendered = await post(server, "/tokenize", {"messages": messages, "tools": TOOLS})
+    assert status == 200
+    status, text = await post(server, "/detokenize", {"tokens": rendered["tokens"]})
+    assert '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>' in text["prompt"]
+    assert "It is 12:30." in text["prompt"] and "get_weather" in text["prompt"]
+    done = await client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5
+    )
+    assert done.choices[0].message.tool_calls is None
+
+
+async def test_auto_tool_choice_needs_a_parser_and_parses_with_it(server):
+    status, err = await post(server, "/v1/chat/completions", {**CHAT, "tools": TOOLS})
+    assert status == 400 and "--tool-call-parser" in err["error"]["message"]
+    running = await start_server(
+        EngineConfig(model="tiny", served_model_name=MODEL, device="cpu", port=0, tool_call_parser="hermes")
+    )
+    try:
+        status, done = await post(running, "/v1/chat/completions", {**CHAT, "tools": TOOLS, "max_tokens": 8})
+        assert status == 200 and done["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        await running.close()
+
+
+def output(text: str, finished: bool) -> RequestOutput:
+    return RequestOutput("r", text, [1], None, finished, "stop" if finished else None, 3, 1)
+
+
+def test_auto_tool_calls_come_back_as_tool_calls_whole_and_streamed():
+    """What the parser makes of a model that answers in its tool-call format."""
+    text = 'Let me check.<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    fmt = ChatFormat("id", MODEL, None, [ChoiceSpec(0, 0)], 3, get_parser("hermes"))
+    body = fmt.full({0: [output(text[:20], False), output(text[20:], True)]})
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    fmt = ChatFormat("id", MODEL, None, [ChoiceSpec(0, 0)], 3, get_parser("hermes"))
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
+    chunks = [fmt.chunk(0, output(p, i == len(pieces) - 1), False) for i, p in enumerate(pieces)]
+    deltas = [c["choices"][0] for c in chunks if c is not None]
+    content = "".join(d["delta"].get("content", "") for d in deltas)
+    arguments = "".join(t["function"]["arguments"] for d in deltas for t in d["delta"].get("tool_calls", []))
+    assert content == "Let me check." and arguments == '{"zone": "UTC"}'
+    assert deltas[-1]["finish_reason"] == "tool_calls"
