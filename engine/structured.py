@@ -184,20 +184,28 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher | None], out: torch.Tensor |
     return out[: len(matchers)]
 
 
+def disallowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool [rows, vocab] on `device`, True where the bitmask forbids the token (and for ids at or
+    past 32 * bitmask.shape[1]). On a GPU the packed mask travels and is unpacked there; on the CPU
+    this can run on the mask thread, leaving only a masked_fill for the step."""
+    if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 [rows, words], got {bitmask.dtype} {list(bitmask.shape)}")
+    rows, width = bitmask.shape[0], bitmask.shape[1] * 32
+    # As bytes (torch runs on little-endian hosts only), token t is bit t % 8 of byte t // 8.
+    packed = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    disallowed = ((packed[:, :, None] >> shifts) & 1).view(rows, width) == 0
+    if vocab <= width:
+        return disallowed[:, :vocab]
+    return torch.cat([disallowed, disallowed.new_ones((rows, vocab - width))], dim=1)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the logits of disallowed tokens to -inf, in place, on the logits' device.
 
     `logits` is [rows, vocab]; ids at or past 32 * bitmask.shape[1] are disallowed.
     """
     rows, vocab = logits.shape
-    if bitmask.dim() != 2 or bitmask.shape[0] != rows or bitmask.dtype != torch.int32:
+    if bitmask.dim() != 2 or bitmask.shape[0] != rows:
         raise ValueError(f"bitmask must be int32 [{rows}, words], got {bitmask.dtype} {list(bitmask.shape)}")
-    width = bitmask.shape[1] * 32
-    # As bytes (torch runs on little-endian hosts only), token t is bit t % 8 of byte t // 8.
-    packed = bitmask.to(logits.device, non_blocking=True).contiguous().view(torch.uint8)
-    shifts = torch.arange(8, device=logits.device, dtype=torch.uint8)
-    disallowed = ((packed[:, :, None] >> shifts) & 1).view(rows, width) == 0
-    n = min(vocab, width)
-    logits[:, :n].masked_fill_(disallowed[:, :n], float("-inf"))
-    if vocab > width:
-        logits[:, width:] = float("-inf")
+    logits.masked_fill_(disallowed_tokens(bitmask, vocab, logits.device), float("-inf"))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
-from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, fill_bitmasks
+from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.worker.attention import PagedAttention, SeqSpan, plan_attention
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies
 from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
@@ -242,7 +242,10 @@ class ModelRunner:
         grammar = None
         if masks is not None:
             guided_rows, future = masks
-            grammar = GrammarMasks(self._tensor(guided_rows), future.result())
+            disallowed = future.result()
+            if disallowed.dtype == torch.int32:  # packed: unpacked on the device
+                disallowed = disallowed_tokens(disallowed, logits.shape[-1], self.device)
+            grammar = GrammarMasks(self._tensor(guided_rows), disallowed)
         banned = [s.banned_token_ids for s in sampling]
         tokens, logprobs = sample(logits, params, gens, banned, history, grammar)
         if rows is not None:
@@ -274,7 +277,14 @@ class ModelRunner:
             matchers.append(matcher)
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="superinfer-grammar")
-        return rows, self._masker.submit(fill_bitmasks, matchers)
+        return rows, self._masker.submit(self._fill_masks, matchers)
+
+    def _fill_masks(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """The rows' masks, packed (GPU: unpacked there) or, on the CPU, already unpacked here."""
+        bitmask = fill_bitmasks(matchers)
+        if self.device.type == "cpu":
+            return disallowed_tokens(bitmask, self.model.config.vocab_size)
+        return bitmask
 
     def _advance_matchers(self, seqs: list[ScheduledSeq], tokens: list[int]) -> None:
         """Move each grammar on by its sampled token (a host sync, in steps with such rows only:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from superinfer.engine.core.request import SamplingParams
-from superinfer.engine.structured import apply_bitmask
 
 
 @dataclass
@@ -52,7 +51,7 @@ class GrammarMasks:
     """Allowed-token bitmasks (structured output) for some rows of the batch."""
 
     rows: torch.Tensor  # [M] row indices
-    bitmask: torch.Tensor  # [M, words] int32
+    disallowed: torch.Tensor  # [M, vocab] bool, on the logits' device
 
 
 @dataclass
@@ -106,9 +105,7 @@ def sample(
     scores = _bias(logits, params, banned)
     if grammar is not None:
         scores = scores.clone() if scores is logits else scores
-        constrained = scores[grammar.rows]
-        apply_bitmask(constrained, grammar.bitmask)
-        scores[grammar.rows] = constrained
+        scores[grammar.rows] = scores[grammar.rows].masked_fill(grammar.disallowed, float("-inf"))
     if history is not None:
         scores = _penalize(scores, params, history)
     if all(p.greedy for p in params):
