@@ -103,8 +103,16 @@ async def test_a_schema_the_engine_cannot_follow_is_a_400(server):
     both = {**CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}}
     status, err = await post(server, "/v1/chat/completions", both)
     assert status == 400 and "only one" in err["error"]["message"]
-    status, err = await post(server, "/v1/chat/completions", {**CHAT, "guided_regex": "a+", "ignore_eos": True})
-    assert status == 400 and "ignore_eos" in err["error"]["message"]
+    status, err = await post(server, "/v1/chat/completions", {**CHAT, "guided_regex": "a+", "min_tokens": 3})
+    assert status == 400 and "min_tokens" in err["error"]["message"]
+
+
+async def test_ignore_eos_runs_past_the_grammars_end_on_eos_only(server, caplog):
+    body = {"model": MODEL, "prompt": "x", "guided_choice": ["yes", "no"], "max_tokens": 12, "ignore_eos": True}
+    status, done = await post(server, "/v1/completions", body)
+    assert status == 200 and done["usage"]["completion_tokens"] == 12
+    assert done["choices"][0]["text"] in ("yes", "no")  # EOS tokens decode to nothing
+    assert "broke its grammar" not in caplog.text
 
 
 def check_calls(calls: list[dict], names: set[str]) -> None:

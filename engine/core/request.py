@@ -67,9 +67,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.guided is not None and (self.ignore_eos or self.min_tokens):
-            # A finished grammar allows only EOS: both would leave no token to sample.
-            raise ValueError("ignore_eos and min_tokens cannot be combined with structured output")
+        if self.guided is not None and self.min_tokens:
+            # A finished grammar allows only EOS, which min_tokens bans: no token would be left.
+            raise ValueError("min_tokens cannot be combined with structured output")
 
     @property
     def penalized(self) -> bool:

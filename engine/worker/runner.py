@@ -291,6 +291,8 @@ class ModelRunner:
         the next step's masks depend on it)."""
         for seq, token in zip(seqs, tokens, strict=True):
             matcher = self.matchers[seq.request_id]
+            if matcher.is_terminated():  # past the grammar's end (ignore_eos): EOS is all it allows
+                continue
             if not matcher.accept(token):
                 log.warning("request %s: token %d broke its grammar: %s", seq.request_id, token, matcher.error)
 
