@@ -31,6 +31,7 @@ class LoadRequest:
     slo: SLO = field(default_factory=SLO)
     delay_s: float = 0.0  # send this long after the run starts (open-loop arrivals)
     slo_class: str | None = None  # sent as the body field `slo_class` (servers without classes ignore it)
+    fields: dict[str, Any] = field(default_factory=dict)  # more body fields (e.g. a structured-output constraint)
 
 
 async def stream_completion(
@@ -49,6 +50,7 @@ async def stream_completion(
         "ignore_eos": True,
         "slo": {"ttft_ms": req.slo.ttft_ms, "tbt_ms": req.slo.tbt_ms},
         **({"slo_class": req.slo_class} if req.slo_class else {}),
+        **req.fields,
     }
     sent = time.monotonic()
     times: list[float] = []

@@ -81,21 +81,49 @@ async def run_sequential(url: str, model: str, requests: Sequence[LoadRequest]) 
     return timings, time.monotonic() - start
 
 
-def requests(work: Sequence[WorkItem], vocab_size: int, seed: int) -> list[LoadRequest]:
+# With --structured-share, that share of the requests (every k-th) answers under this JSON schema:
+# a long free string, so (with ignore_eos) every request still produces its fixed number of tokens.
+STRUCTURED = {
+    "structured_outputs": {
+        "json": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "maxLength": 100000}},
+            "required": ["answer"],
+        }
+    }
+}
+
+
+def requests(work: Sequence[WorkItem], vocab_size: int, seed: int, structured_share: float = 0.0) -> list[LoadRequest]:
     prompts = prompt_tokens(work, vocab_size, seed)
+    every = round(1 / structured_share) if structured_share > 0 else 0
     # Items labelled with one of our built-in SLO classes name it (its priority reaches the scheduler);
     # vLLM ignores the field. Their explicit SLO still sets the targets.
     return [
-        LoadRequest(p, it.output_len, it.slo, it.arrival_s, it.label if it.label in BUILTIN_SLO_CLASSES else None)
-        for p, it in zip(prompts, work, strict=True)
+        LoadRequest(
+            p,
+            it.output_len,
+            it.slo,
+            it.arrival_s,
+            it.label if it.label in BUILTIN_SLO_CLASSES else None,
+            STRUCTURED if every and i % every == 0 else {},
+        )
+        for i, (p, it) in enumerate(zip(prompts, work, strict=True))
     ]
 
 
 async def measure(
-    url: str, model: str, contender: Contender, load: str, shape: LoadShape, seed: int, vocab_size: int
+    url: str,
+    model: str,
+    contender: Contender,
+    load: str,
+    shape: LoadShape,
+    seed: int,
+    vocab_size: int,
+    structured_share: float = 0.0,
 ) -> dict[str, float]:
     work = items(load, shape, seed)
-    reqs = requests(work, vocab_size, seed)
+    reqs = requests(work, vocab_size, seed, structured_share)
     async with aiohttp.ClientSession() as http:
         rot0, pre0 = await counters(http, url, contender.is_vllm)
         if load in SEQUENTIAL:
@@ -150,7 +178,8 @@ async def run_phase(
                 for load in PHASES[phase]:
                     seed = load_seed(args.seed, run, load)
                     figs = await asyncio.wait_for(
-                        measure(url, matched.served_name, c, load, shape, seed, vocab_size), args.load_timeout_s
+                        measure(url, matched.served_name, c, load, shape, seed, vocab_size, args.structured_share),
+                        args.load_timeout_s,
                     )
                     for key, value in figs.items():
                         results.setdefault(c.name, {}).setdefault(load, {}).setdefault(key, []).append(value)
@@ -174,6 +203,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=None, help="two-class Poisson requests/s")
     parser.add_argument("--duration", type=float, default=None, help="two-class Poisson seconds of arrivals")
     parser.add_argument("--phases", default="ample,tight")
+    parser.add_argument(
+        "--structured-share",
+        type=float,
+        default=0.0,
+        help="share of requests under a JSON schema (structured_outputs; every k-th request)",
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=420.0)
     parser.add_argument("--load-timeout-s", type=float, default=600.0)
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
@@ -225,6 +260,7 @@ async def main_async(args: argparse.Namespace) -> Results:
             "contenders": names,
             "runs": args.runs,
             "quick": args.quick,
+            "structured_share": args.structured_share,
             "settings": settings,
             "loads": dataclasses.asdict(shape),
             "slo": {
