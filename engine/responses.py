@@ -27,6 +27,7 @@ class ChoiceSpec:
     echo: str | None = None  # prompt text to put before the completion (completions' echo)
     prompt_token_ids: tuple[int, ...] = ()  # for echo and prompt logprobs
     score_only: bool = False  # max_tokens 0 with echo: the generated token is dropped
+    prompt_logprobs: bool = False  # the request asked for vLLM's `prompt_logprobs` field
 
 
 class CompletionFormat:
@@ -107,7 +108,7 @@ class CompletionFormat:
             "logprobs": self.logprobs(entries, self.offsets[index]) if wants_logprobs else None,
             "finish_reason": last.finish_reason,
         }
-        if first and outs[0].prompt_logprobs is not None:
+        if first and spec.prompt_logprobs and outs[0].prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(spec, outs[0])
         self.offsets[index] += len(text)
         return choice
@@ -119,8 +120,8 @@ class CompletionFormat:
             if lp is None:
                 result.append(None)
                 continue
-            ranked = {t: (v, rank) for rank, (t, v) in enumerate(lp.top, start=1)}
-            ranked.setdefault(token, (lp.logprob, None))
+            ranked = {token: (lp.logprob, lp.rank)}
+            ranked |= {t: (v, rank) for rank, (t, v) in enumerate(lp.top, start=1)}
             result.append(
                 {
                     str(t): {"logprob": v, "rank": rank, "decoded_token": self.token_text(t)}

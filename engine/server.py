@@ -367,7 +367,7 @@ class OpenAIServer:
                 echo = prompt if isinstance(prompt, str) else self._tokenizer().decode(ids, skip_special_tokens=False)
             for j in range(body.n):
                 index = p * body.n + j
-                specs.append(ChoiceSpec(index, p, echo, tuple(ids), score_only))
+                specs.append(ChoiceSpec(index, p, echo, tuple(ids), score_only, body.prompt_logprobs is not None))
                 requests.append((ids, for_choice(sampling, index), j))
         fmt = CompletionFormat(rid, self.model_name, self.core.tokenizer, specs, sum(map(len, prompts)))
         return await self._generate(request, body, rid, requests, fmt)
@@ -391,7 +391,8 @@ class OpenAIServer:
         vocab = self.core.model_config.vocab_size
         sampling = body.sampling(max_tokens, body.requested_logprobs(), vocab, guided=guided)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        specs = [ChoiceSpec(j, 0, prompt_token_ids=tuple(ids)) for j in range(body.n)]
+        wants = body.prompt_logprobs is not None
+        specs = [ChoiceSpec(j, 0, prompt_token_ids=tuple(ids), prompt_logprobs=wants) for j in range(body.n)]
         requests = [(ids, for_choice(sampling, j), j) for j in range(body.n)]
         fmt = ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids), parser)
         return await self._generate(request, body, rid, requests, fmt)
@@ -449,21 +450,35 @@ class OpenAIServer:
                 headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await resp.prepare(request)
-            usage_field = {"usage": None} if include_usage and not continuous_usage else {}
-            for start in fmt.start():
-                await resp.write(sse({**start, **({"usage": fmt.usage()} if continuous_usage else usage_field)}))
             try:
-                if first is not None:
-                    await self._write_chunk(resp, fmt, first, continuous_usage, usage_field)
-                    async for item in it:
-                        await self._write_chunk(resp, fmt, item, continuous_usage, usage_field)
-                if include_usage:
-                    await resp.write(sse(fmt.usage_chunk()))
-            except (ValueError, EngineDeadError) as exc:  # the status line is gone: report in-stream
-                await resp.write(sse(engine_error(exc).body()))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                await self._stream(resp, it, fmt, first, include_usage, continuous_usage)
+            except ConnectionResetError:  # the client left mid-stream; closing `it` aborts its requests
+                log.info("request %s: the client disconnected mid-stream", request_id(request))
             return resp
+
+    async def _stream(
+        self,
+        resp: web.StreamResponse,
+        it: AsyncIterator[tuple[int, RequestOutput]],
+        fmt: CompletionFormat,
+        first: tuple[int, RequestOutput] | None,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> None:
+        usage_field = {"usage": None} if include_usage and not continuous_usage else {}
+        for start in fmt.start():
+            await resp.write(sse({**start, **({"usage": fmt.usage()} if continuous_usage else usage_field)}))
+        try:
+            if first is not None:
+                await self._write_chunk(resp, fmt, first, continuous_usage, usage_field)
+                async for item in it:
+                    await self._write_chunk(resp, fmt, item, continuous_usage, usage_field)
+            if include_usage:
+                await resp.write(sse(fmt.usage_chunk()))
+        except (ValueError, EngineDeadError) as exc:  # the status line is gone: report in-stream
+            await resp.write(sse(engine_error(exc).body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
 
     @staticmethod
     async def _write_chunk(

@@ -107,6 +107,7 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, max_
     assert done["usage"]["completion_tokens"] == max_tokens
     if max_tokens == 0:
         assert choice["text"] == prompt
+    assert "prompt_logprobs" not in choice  # only when asked for by name, as vLLM does
     # vLLM's prompt_logprobs field scores the same tokens the same way.
     status, scored = await post(
         server, c.COMPLETIONS_PATH, {**body, "echo": False, "max_tokens": 1, "prompt_logprobs": 0}
@@ -116,6 +117,7 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, max_
     for position in range(1, len(ids)):
         entry = prompt_lps[position][str(ids[position])]
         assert entry["logprob"] == pytest.approx(lp["token_logprobs"][position], abs=1e-5)
+        assert isinstance(entry["rank"], int) and entry["rank"] >= 1
 
 
 async def test_logit_bias_and_penalties_over_http(client):

@@ -134,6 +134,7 @@ def test_prompt_logprobs_equal_the_models_log_softmax(checkpoint, chunk):
         assert lp.token_id == prompt[position]
         assert lp.logprob == pytest.approx(float(row[prompt[position]]), abs=1e-3)
         assert [t for t, _ in lp.top] == row.topk(2).indices.tolist()
+        assert lp.rank == int((row > row[prompt[position]]).sum()) + 1
 
 
 def test_sampling_params_reject_out_of_range_controls():

@@ -46,6 +46,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # best alternatives, most likely first
+    rank: int | None = None  # of the token among the whole vocabulary, 1 = most likely (prompt tokens)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class SubmittedStep:
     logprobs: SampledLogprobs | None = None  # host
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     prompt_logprobs: SampledLogprobs | None = None  # host, the rows of prompt_rows in order
+    prompt_ranks: torch.Tensor | None = None  # host, the rank of each prompt token
 
 
 @dataclass
@@ -196,7 +198,7 @@ class ModelRunner:
         """Wait for a submitted step and return its sampled tokens, logprobs and copy stats."""
         out = StepOutput(copies=self.duplex.finish(step.copies))
         if step.prompt_logprobs is not None:
-            out.prompt_logprobs = _prompt_logprobs(step.prompt_rows, step.prompt_logprobs)
+            out.prompt_logprobs = _prompt_logprobs(step.prompt_rows, step.prompt_logprobs, step.prompt_ranks)
         if step.tokens is None:
             return out
         out.sampled = dict(zip(step.request_ids, step.tokens.tolist(), strict=True))
@@ -305,16 +307,20 @@ class ModelRunner:
         top = logp.topk(max(1, max(r.k for r in x.prompt_rows)), dim=-1)
         step.prompt_rows = x.prompt_rows
         step.prompt_logprobs = SampledLogprobs(*(self._to_host(t) for t in (chosen, top.indices, top.values)))
+        step.prompt_ranks = self._to_host((logp > chosen[:, None]).sum(dim=-1) + 1)
 
 
-def _prompt_logprobs(rows: list[PromptLogprobRows], lp: SampledLogprobs) -> dict[str, dict[int, TokenLogprob]]:
+def _prompt_logprobs(
+    rows: list[PromptLogprobRows], lp: SampledLogprobs, ranks: torch.Tensor
+) -> dict[str, dict[int, TokenLogprob]]:
     chosen, top_ids, top_values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
+    rank = ranks.tolist()
     out: dict[str, dict[int, TokenLogprob]] = {}
     i = 0
     for r in rows:
         per_position = out.setdefault(r.request_id, {})
         for position, token in enumerate(r.targets, start=r.first):
             top = list(zip(top_ids[i], top_values[i], strict=True))[: r.k]
-            per_position[position] = TokenLogprob(token, chosen[i], top)
+            per_position[position] = TokenLogprob(token, chosen[i], top, rank[i])
             i += 1
     return out
