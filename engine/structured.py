@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
 from superinfer.engine.guided import GrammarError, GuidedSpec, choices
@@ -154,6 +155,9 @@ def _check_bitmask(bitmask: torch.Tensor, words: int, rows: int) -> None:
         raise ValueError(f"bitmask must be [>= {rows}, {words}], got {list(bitmask.shape)}")
 
 
+EXECUTOR_ROWS = 8  # from this many rows, masks are filled in parallel by llguidance's executor
+
+
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()  # threads: 80% of the CPUs, at most 32
@@ -180,7 +184,11 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher | None], out: torch.Tensor |
         free = [i for i, m in enumerate(matchers) if m is None]
         if free:
             out[free] = -1
-    _executor().unsafe_compute_mask_ptr(rows, out.data_ptr(), width * 4, out.shape[0])
+    if len(rows) < EXECUTOR_ROWS:  # the executor's dispatch costs more than a few masks
+        for matcher, i in rows:
+            matcher.unsafe_compute_mask_ptr(out[i].data_ptr(), width * 4)
+    else:
+        _executor().unsafe_compute_mask_ptr(rows, out.data_ptr(), width * 4, out.shape[0])
     return out[: len(matchers)]
 
 
@@ -192,9 +200,13 @@ def disallowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device | 
         raise ValueError(f"bitmask must be int32 [rows, words], got {bitmask.dtype} {list(bitmask.shape)}")
     rows, width = bitmask.shape[0], bitmask.shape[1] * 32
     # As bytes (torch runs on little-endian hosts only), token t is bit t % 8 of byte t // 8.
-    packed = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    disallowed = ((packed[:, :, None] >> shifts) & 1).view(rows, width) == 0
+    if torch.device(device).type == "cpu":
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        disallowed = torch.from_numpy(bits) == 0
+    else:
+        packed = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
+        shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+        disallowed = ((packed[:, :, None] >> shifts) & 1).view(rows, width) == 0
     if vocab <= width:
         return disallowed[:, :vocab]
     return torch.cat([disallowed, disallowed.new_ones((rows, vocab - width))], dim=1)

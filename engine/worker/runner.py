@@ -27,6 +27,8 @@ from superinfer.engine.worker.token_history import TokenHistories
 
 log = logging.getLogger("superinfer.runner")
 
+THREADED_MASK_ROWS = 8  # from this many rows under a grammar, their masks fill during the forward
+
 
 def torch_threads(requested: int | None) -> int:
     """Threads for torch's CPU work: `requested`, else OMP_NUM_THREADS, else every core but one (at
@@ -277,6 +279,10 @@ class ModelRunner:
                 grammar = self.grammars.compile(seq.sampling.guided)
                 matcher = self.matchers[seq.request_id] = GrammarMatcher(grammar)
             matchers.append(matcher)
+        if len(rows) < THREADED_MASK_ROWS:  # a few masks fill in microseconds: a thread costs more
+            done: Future = Future()
+            done.set_result(self._fill_masks(matchers))
+            return rows, done
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="superinfer-grammar")
         return rows, self._masker.submit(self._fill_masks, matchers)
