@@ -214,3 +214,20 @@ def test_auto_tool_calls_come_back_as_tool_calls_whole_and_streamed():
     arguments = "".join(t["function"]["arguments"] for d in deltas for t in d["delta"].get("tool_calls", []))
     assert content == "Let me check." and arguments == '{"zone": "UTC"}'
     assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+async def test_an_agent_tool_loop_with_the_official_client(client):
+    """Ask with tools, run the call the model makes, send the result back, get an answer."""
+    messages: list = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    first = await client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=120, seed=2
+    )
+    message = first.choices[0].message
+    assert message.tool_calls
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+        result = {"get_weather": "sunny, 14 C", "get_time": "12:30"}[call.function.name]
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    final = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none")
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.tool_calls is None
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
