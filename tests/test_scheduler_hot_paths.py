@@ -166,7 +166,7 @@ def reference_tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGua
         allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
     step_s = turn * min(d, fit) / d
     budget = model.tokens_within(step_s, sum(r.num_tokens for r in sched.running))
-    residency = RESIDENCY_SHARE * turn * fit / (d - fit) if d > fit else math.inf
+    residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
     return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
 
 

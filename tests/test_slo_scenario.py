@@ -7,12 +7,15 @@ blocking); RotaSched rotates the long decodes to the CPU tier and serves the bur
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from superinfer.bench.goodput import summarize
 from superinfer.bench.replay import VirtualClock, replay
 from superinfer.bench.workload import burst_workload, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
+from superinfer.engine.core import policies
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.slo import SLO
 
@@ -71,7 +74,9 @@ def test_rotation_really_happened_and_nothing_leaked(results):
     assert gpu_states == {"free": 48, "dirty": 0, "clean": 0, "quarantined": 0}
 
 
-def run_overload(policy: str, duration_s: float = 14, **config) -> tuple[dict[str, float], EngineCore]:
+def run_overload(
+    policy: str, duration_s: float = 14, rate: float = 12, **config
+) -> tuple[dict[str, float], EngineCore]:
     """Sustained Poisson arrivals past what the 2-core-sized budget serves: compute and KV memory
     both run out (the `slo` benchmark's top rate, shortened)."""
     core = EngineCore(
@@ -88,7 +93,7 @@ def run_overload(policy: str, duration_s: float = 14, **config) -> tuple[dict[st
     )
     slo = SLO(ttft_ms=5000, tbt_ms=100)
     items = poisson_workload(
-        12, duration_s, slo, seed=0, prompt_median=40, output_median=60, max_prompt=256, max_output=512
+        rate, duration_s, slo, seed=0, prompt_median=40, output_median=60, max_prompt=256, max_output=512
     )
     timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size))
     return summarize(timings, duration), core
@@ -108,3 +113,24 @@ def test_past_capacity_rotary_keeps_goodput_and_slo_admission_cuts_the_rotations
     assert guarded["goodput_share"] >= unguarded["goodput_share"] + 0.05
     assert guarded["throughput_tok_s"] >= 0.95 * fcfs["throughput_tok_s"]
     assert new.scheduler.counters.rotations <= 0.4 * old.scheduler.counters.rotations
+
+
+@pytest.mark.slow
+def test_past_twice_what_fits_the_residency_stops_shrinking(monkeypatch):
+    """Under this overload the live requests often exceed twice what fits on the GPU. A residency
+    that kept shrinking with D / n would rotate a request out after a token or two (rotation
+    thrash); it stays at half a turn instead, and the rotations per request stay few."""
+    seen: list[float] = []
+    guard = policies.tbt_guard
+
+    def recording(sched, now, headroom):
+        out = guard(sched, now, headroom)
+        if out is not None and out.residency_s != math.inf:
+            seen.append(out.residency_s)
+        return out
+
+    monkeypatch.setattr(policies, "tbt_guard", recording)
+    report, core = run_overload("rotary", duration_s=5, rate=24)
+    turn = 0.8 * 0.100  # tbt_headroom x the TBT SLO
+    assert seen and min(seen) == pytest.approx(policies.RESIDENCY_SHARE * turn)
+    assert core.scheduler.counters.rotations <= 20 * report["requests"]

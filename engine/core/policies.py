@@ -139,7 +139,10 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     on the GPU at once, a request gets a token every D / n steps of step time s(n): a new request
     raises D, and a prefill chunk raises s. A request that leaves waits (D - n) / n residencies of
     whoever replaced it, so a residency of RESIDENCY_SHARE x turn x n / (D - n) keeps that wait
-    within its turn while rotating as little as that allows. Requests whose TBT SLO is already lost are not
+    within its turn while rotating as little as that allows. Past twice what fits (D > 2n) no
+    residency keeps every turn, and a shorter one only multiplies rotations (each buys a token or
+    two): the residency stays at RESIDENCY_SHARE x turn, and the requests that wait too long lose
+    their TBT and return only into free blocks. Requests whose TBT SLO is already lost are not
     protected. None when there is nothing to protect, no step model yet, or when even one request
     alone could not meet the SLO on this machine.
     """
@@ -169,7 +172,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
     budget = model.tokens_within(step_s, sum(map(len, map(_token_ids, sched.running))))
-    residency = RESIDENCY_SHARE * turn * fit / (d - fit) if d > fit else math.inf
+    residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
     return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
 
 
