@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,10 @@ class SimConfig:
         if self.policy == "fcfs":
             return 0
         return int(self.profile().host_bytes / 4) // self.block_bytes()
+
+    def rotary_params(self) -> RotaryParams:
+        """The policy's B_xfer is the scheduler's transfer budget: one knob."""
+        return dataclasses.replace(self.rotary, transfer_budget_blocks=self.transfer_budget_blocks)
 
     def host_seconds(self) -> float:
         return self.profile().host_s if self.host_s is None else self.host_s

@@ -54,7 +54,7 @@ def build_scheduler(config: SimConfig, clock: Callable[[], float]) -> Scheduler:
         config.transfer_budget_blocks,
         config.write_through,
     )
-    return Scheduler(sched_config, kv, make_policy(config.policy, config.rotary, num_blocks), clock)
+    return Scheduler(sched_config, kv, make_policy(config.policy, config.rotary_params(), num_blocks), clock)
 
 
 def simulate(
@@ -112,9 +112,7 @@ def simulate(
                 raise RuntimeError(f"the scheduler made no progress with {len(sched.requests)} requests left")
         else:
             idle = 0
-    timings = [
-        RequestTiming(items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo) for i in range(len(items))
-    ]
+    timings = [RequestTiming(items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo) for i in range(len(items))]
     return SimResult(
         timings=timings,
         duration_s=clock.now,
