@@ -140,6 +140,7 @@ def _cell(report: dict[str, float], key: str | tuple[str, ...], fmt: str) -> str
 
 
 def points_table(points: dict[str, list[dict[str, float]]], title: str) -> Any:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title)
@@ -147,7 +148,7 @@ def points_table(points: dict[str, list[dict[str, float]]], title: str) -> Any:
         table.add_column(name, justify="left" if name == "policy" else "right")
     for label, reports in points.items():
         for r in reports:
-            table.add_row(label, f"{r['rate']:g}", *(_cell(r, key, fmt) for _, key, fmt in COLUMNS))
+            table.add_row(escape(label), f"{r['rate']:g}", *(_cell(r, key, fmt) for _, key, fmt in COLUMNS))
     return table
 
 
@@ -223,6 +224,7 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
 
             console.print(f"plot: {plot_sweep(sweep, args.plot, header.split(':')[0])}")
     else:
+        from rich.markup import escape
         from rich.table import Table
 
         table = Table(title=f"highest rate with {args.target_metric} ≥ {args.target:g}")
@@ -232,7 +234,9 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
             table.add_column(f"replicas for {args.replicas_for:g} req/s", justify="right")
         for label, entry in out["capacity"]["policies"].items():
             rate = f"{entry['max_rate']:.2f}" + ("" if entry["bounded"] else "+")
-            table.add_row(label, rate, *([str(entry.get("replicas", "-"))] if args.replicas_for is not None else []))
+            table.add_row(
+                escape(label), rate, *([str(entry.get("replicas", "-"))] if args.replicas_for is not None else [])
+            )
         console.print(table)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")

@@ -26,6 +26,7 @@ class SimConfig:
     gpu_kv_gib: float | None = None  # the GPU KV pool's size (default: what the memory budget leaves)
     num_gpu_blocks: int | None = None  # overrides gpu_kv_gib
     cpu_kv_gib: float | None = None  # the CPU tier (default: a quarter of host memory; fcfs: none)
+    num_cpu_blocks: int | None = None  # overrides cpu_kv_gib
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
@@ -70,6 +71,8 @@ class SimConfig:
         return int(budget // nbytes)
 
     def num_cpu_blocks_sized(self) -> int:
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
         if self.cpu_kv_gib is not None:
             return int(self.cpu_kv_gib * GIB) // self.block_bytes()
         if self.policy == "fcfs":

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from superinfer.bench.goodput import RequestTiming
-from superinfer.bench.replay import VirtualClock
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem, prompt_tokens
 from superinfer.engine.core.kv import KVCacheManager
@@ -26,6 +25,16 @@ from superinfer.sim.config import SimConfig
 
 SAMPLED_TOKEN = 0
 MAX_IDLE_STEPS = 1000  # empty plans in a row with nothing in flight and nothing to arrive: stuck
+
+
+class VirtualClock:
+    """bench.replay's clock (that module imports the engine, hence torch)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass
