@@ -84,6 +84,7 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write every report here")
     o.add_argument("--plot", type=Path, default=None, help="attainment/goodput vs rate and TTFT CDFs (PNG)")
+    o.add_argument("--jobs", type=int, default=1, help="simulate this many points at once (processes)")
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
 
 
@@ -196,7 +197,7 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
             def advance(label: str, rate: float, report: dict[str, float]) -> None:
                 progress.update(task, advance=1, description=f"{label} @ {rate:g} req/s")
 
-            sweep = run_sweep(base, workload, runs, rates, advance)
+            sweep = run_sweep(base, workload, runs, rates, advance, args.jobs)
             out["points"] = sweep.points
         else:
             task = progress.add_task("bisecting", total=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,16 +79,28 @@ def run_sweep(
     runs: Sequence[Variant],
     rates: Sequence[float],
     on_point: Callable[[str, float, dict[str, float]], None] | None = None,
+    jobs: int = 1,
 ) -> Sweep:
+    """Every variant at every rate; `jobs` > 1 runs points in that many processes (results are the
+    same: each point is deterministic)."""
+    tasks = [(v.label, v.apply(base), rate) for v in runs for rate in rates]
+    done: dict[tuple[str, float], tuple[dict[str, float], list[float]]] = {}
+
+    def finish(label: str, rate: float, out: tuple[dict[str, float], list[float]]) -> None:
+        done[label, rate] = out
+        if on_point is not None:
+            on_point(label, rate, out[0])
+
+    if jobs <= 1:
+        for label, config, rate in tasks:
+            finish(label, rate, run_point(config, workload, rate))
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            futures = {pool.submit(run_point, config, workload, rate): (label, rate) for label, config, rate in tasks}
+            for future in as_completed(futures):
+                finish(*futures[future], future.result())
     sweep = Sweep()
-    for variant in runs:
-        config = variant.apply(base)
-        reports = []
-        for rate in rates:
-            report, ttfts = run_point(config, workload, rate)
-            reports.append(report)
-            if on_point is not None:
-                on_point(variant.label, rate, report)
-        sweep.points[variant.label] = reports
-        sweep.ttfts_ms[variant.label] = ttfts
+    for v in runs:
+        sweep.points[v.label] = [done[v.label, rate][0] for rate in rates]
+        sweep.ttfts_ms[v.label] = done[v.label, rates[-1]][1]
     return sweep
