@@ -77,7 +77,12 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tbt-slo-ms", type=float, default=100.0)
     w.add_argument("--seed", type=int, default=0)
     c = p.add_argument_group("capacity")
-    c.add_argument("--max-rate", action="store_true", help="bisect for the highest rate meeting --target")
+    c.add_argument(
+        "--max-rate",
+        action="store_true",
+        help="bisect for the highest rate meeting --target between the lowest and highest of --rates "
+        "(the highest doubled at most twice while it still meets it)",
+    )
     c.add_argument("--replicas-for", type=float, default=None, metavar="RATE", help="replicas needed at RATE req/s")
     c.add_argument("--target", type=float, default=0.9, help="attainment target (share of requests)")
     c.add_argument("--target-metric", default="goodput_share", help="goodput_share, ttft_attainment, tbt_attainment")
@@ -209,7 +214,7 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
                     progress.update(task, advance=1, description=f"{label} @ {rate:.2f} req/s")
                     return run_point(config, workload, rate)[0][args.target_metric]
 
-                result = max_rate(metric_at, args.target, lo=min(rates), hi=max(rates))
+                result = max_rate(metric_at, args.target, lo=min(rates), hi=max(rates), max_expand=2)
                 entry: dict[str, Any] = {"max_rate": result.rate, "bounded": result.bounded, "probes": result.probes}
                 if args.replicas_for is not None and result.rate > 0:
                     n = replicas_for(args.replicas_for, result.rate)
