@@ -33,14 +33,15 @@ def max_rate(
         out.probes.append((rate, value))
         return value >= target
 
+    lo_ok = False  # known to meet the target (it was a `hi` that did)
     for _ in range(max_expand):
         if not ok(hi):
             break
-        lo, hi = hi, hi * 2
+        lo, hi, lo_ok = hi, hi * 2, True
     else:
         out.rate, out.bounded = lo, False
         return out
-    if not ok(lo):
+    if not lo_ok and not ok(lo):
         while lo > 1e-3:  # walk down until something meets it
             hi, lo = lo, lo / 2
             if ok(lo):

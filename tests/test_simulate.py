@@ -112,6 +112,9 @@ def test_max_rate_bisects_a_monotonic_metric():
     found = max_rate(metric, 0.9, lo=10, hi=20, rel_tol=0.01)
     assert 37.3 * 0.99 <= found.rate <= 37.3 and found.bounded
     assert all(v >= 0.9 for r, v in found.probes if r <= found.rate)
+    assert len({r for r, _ in found.probes}) == len(found.probes)  # no rate probed twice
+    expanded = max_rate(metric, 0.9, lo=10, hi=20, rel_tol=0.01)
+    assert [r for r, _ in expanded.probes[:3]] == [20, 40, 30]  # 20 met it: 40 next, then bisect [20, 40]
     assert max_rate(lambda r: 1.0, 0.9, lo=1, hi=2, max_expand=3).bounded is False
     assert max_rate(lambda r: 0.0, 0.9, lo=1, hi=2).rate == 0.0
 
