@@ -3,6 +3,7 @@ trace (bench/workload.py's generators, so `superinfer bench` and `simulate` see 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def make_workload(spec: WorkloadSpec, rate: float) -> list[WorkItem]:
     n = max(1, round(rate * spec.duration_s))
     if spec.trace is not None:
         items = load_trace(spec.trace, rate, spec.slo, seed=spec.seed, limit=n)
+        if spec.burstiness != 1.0:  # load_trace draws Poisson arrivals
+            arrivals = gamma_arrivals(rate, len(items), spec.seed, spec.burstiness)
+            items = [dataclasses.replace(i, arrival_s=t) for i, t in zip(items, arrivals, strict=True)]
         return [i for i in items if i.arrival_s <= spec.duration_s] or items[:1]
     arrivals = [t for t in gamma_arrivals(rate, n, spec.seed, spec.burstiness) if t <= spec.duration_s] or [0.0]
     prompts = lognormal_lengths(len(arrivals), spec.prompt_median, 0.9, 4, spec.max_prompt, spec.seed + 1)

@@ -247,3 +247,16 @@ def test_cli_vary_and_capacity(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "rotary[alpha=1]" in text and "rotary[alpha=5]" in text
     assert main(["simulate", "--model", "nope", "--no-progress"]) == 2
+
+
+def test_cli_trace_input(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(json.dumps({"prompt": "x" * (40 * i), "generated": "y" * 200}) + "\n" for i in range(1, 30))
+    )
+    out = tmp_path / "t.json"
+    args = ["simulate", "--trace", str(trace), "--rates", "5", "--duration", "4", "--policies", "fcfs"]
+    assert main([*args, "--burstiness", "0.5", "--no-progress", "--json", str(out)]) == 0
+    point = json.loads(out.read_text())["points"]["fcfs"][0]
+    assert 0 < point["requests"] <= 29
+    assert point["output_tokens"] == 50 * point["requests"]  # 200 characters at 4 per token
