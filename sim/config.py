@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from superinfer.bench.step_cost import StepCost
 from superinfer.engine.core.policies import RotaryParams
-from superinfer.sim.cost import block_bytes, load_calibration, roofline_cost
+from superinfer.sim.cost import block_bytes, load_calibration, profile_from_step_record, roofline_cost
 from superinfer.sim.hardware import HardwareProfile, get_profile
 from superinfer.sim.model_spec import ModelSpec, load_model_spec
 
@@ -48,9 +49,13 @@ class SimConfig:
         return block_bytes(self.model_spec(), self.block_size)
 
     def step_cost(self) -> StepCost:
+        hw = self.profile()
         if self.calibration is not None:
-            return load_calibration(self.calibration, self.model_spec(), self.block_size)
-        return roofline_cost(self.model_spec(), self.profile(), self.block_size, self.duplex)
+            record = json.loads(Path(self.calibration).read_text())
+            if record.get("bench") != "step":
+                return load_calibration(self.calibration, self.model_spec(), self.block_size)
+            hw = profile_from_step_record(hw, record)
+        return roofline_cost(self.model_spec(), hw, self.block_size, self.duplex)
 
     def num_gpu_blocks_sized(self) -> int:
         if self.num_gpu_blocks is not None:

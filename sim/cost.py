@@ -9,11 +9,14 @@ half duplex and serial copies run one direction at a time at the one-way rate.
 
 A calibration file (measured on a device, or fitted from the engine's own step-time model)
 replaces the roofline with a linear cost: fixed + per token + per sequence + per thousand context
-tokens, and copies at measured GB/s per direction.
+tokens, and copies at measured GB/s per direction. A `bench.step` record instead keeps the roofline
+at the rates that benchmark measured (HBM bandwidth x its decode share of the roofline at the
+largest batch, and its prefill share of bf16 peak).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,4 +112,22 @@ def load_calibration(path: Path, model: ModelSpec, block_size: int) -> Calibrate
         per_kcontext_s=float(raw.get("per_kcontext_s", 0.0)),
         per_block_out_s=per_block("out"),
         per_block_in_s=per_block("in"),
+    )
+
+
+def profile_from_step_record(hw: HardwareProfile, record: dict) -> HardwareProfile:
+    """The profile with `bench.step`'s measured rates in place of nominal x efficiency."""
+    figures = record["figures"]
+    shares = sorted(
+        (int(k.removeprefix("decode_b").removesuffix("_share_of_roofline")), v)
+        for k, v in figures.items()
+        if k.startswith("decode_b") and k.endswith("_share_of_roofline")
+    )
+    if not shares or "hbm_gb_s_measured" not in figures or "prefill_share_of_bf16_peak" not in figures:
+        raise ValueError("a bench.step record needs hbm_gb_s_measured, decode_b*_share_of_roofline and prefill_share")
+    return dataclasses.replace(
+        hw,
+        hbm_bw=figures["hbm_gb_s_measured"] * 1e9,
+        hbm_efficiency=shares[-1][1],
+        flops_efficiency=figures["prefill_share_of_bf16_peak"],
     )

@@ -117,3 +117,17 @@ def test_timeline_lanes_are_the_executors():
     from superinfer.engine.worker.duplex import COPY_LANES as EXECUTOR_LANES
 
     assert COPY_LANES == EXECUTOR_LANES
+
+
+def test_a_bench_step_record_sets_the_roofline_rates(tmp_path):
+    path = tmp_path / "step-nvidia-h100-2026-11-23.json"
+    figures = {
+        "hbm_gb_s_measured": 3000.0,
+        "decode_b1_share_of_roofline": 0.6,
+        "decode_b64_share_of_roofline": 0.85,
+        "prefill_share_of_bf16_peak": 0.5,
+    }
+    path.write_text(json.dumps({"bench": "step", "figures": figures}))
+    cost = SimConfig(hardware="h100", calibration=path, duplex="full").step_cost()
+    assert cost.hw.hbm_bw == 3000e9 and cost.hw.hbm_efficiency == 0.85 and cost.hw.flops_efficiency == 0.5
+    assert cost.compute(plan((0, 1))) == pytest.approx(cost.hw.launch_s + (16_060_522_496 + 131_072) / 2550e9)
