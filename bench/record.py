@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import importlib.metadata
 import json
 import platform
 import subprocess
@@ -15,9 +16,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def device_name(device: str) -> str:
-    import torch
-
     if device.startswith("cuda"):
+        import torch
+
         return torch.cuda.get_device_name(torch.device(device))
     return "cpu"
 
@@ -34,13 +35,16 @@ def commit() -> str:
 
 
 def versions() -> dict[str, str]:
-    import torch
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
+    """Versions of what the run used; torch's CUDA only if the run imported torch (the simulator
+    does not, and its records should not load it)."""
+    out = {"python": platform.python_version()}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        out["torch"] = importlib.metadata.version("torch")
     for name in ("transformers", "triton"):
         with contextlib.suppress(ImportError):
             out[name] = __import__(name).__version__
-    if torch.cuda.is_available():
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     return out
 

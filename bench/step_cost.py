@@ -18,7 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from superinfer.engine.core.plan import StepPlan
-from superinfer.engine.worker.duplex import COPY_LANES
+
+# The executor's lanes per duplex mode, (copy-out lane, copy-in lane): engine/worker/duplex.py's
+# COPY_LANES, repeated here so the timeline (and the simulator) never import torch; a test keeps
+# the two equal.
+COPY_LANES: dict[str, tuple[str, str]] = {
+    "full": ("copy_out", "copy_in"),
+    "half": ("copy_out", "copy_out"),
+    "serial": ("compute", "compute"),
+}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`superinfer serve | demo`. The serve flags are derived from EngineConfig's fields."""
+"""`superinfer serve | bench | simulate | demo`. The serve flags are derived from EngineConfig's fields."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.contract import API_KEY_ENV
+from superinfer.sim.cli import add_simulate_flags
 
 
 def _flag_type(annotation: Any) -> tuple[type | None, tuple | None]:
@@ -76,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-median", type=float, default=200.0, help="median output length (tokens)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", type=Path, default=None, help="also write the report here")
+    simulate = sub.add_parser(
+        "simulate",
+        help="the SLO benchmark on a simulated replica (real scheduler, cost-modelled device): sweeps, capacity",
+    )
+    add_simulate_flags(simulate)
     demo = sub.add_parser("demo", help="fcfs vs rotary on the tiny model under a burst that exhausts KV memory")
     add_engine_flags(demo)
     demo.add_argument("--policies", default="fcfs,rotary", help="comma-separated policies to compare")
@@ -97,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from superinfer.bench.endpoint import run_bench
 
             asyncio.run(run_bench(args))
+        elif args.command == "simulate":
+            from superinfer.sim.cli import run_simulate
+
+            run_simulate(args)
         elif args.command == "demo":
             from superinfer.bench.demo import run_demo
 

@@ -1,0 +1,250 @@
+"""`superinfer simulate`: the SLO benchmark on a simulated replica, rate sweeps and capacity planning.
+
+Flags are added by `add_simulate_flags`; `run_simulate` imports the simulator only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+# The columns of the per-point table (the full report goes to --json).
+COLUMNS = (
+    ("TTFT att", "ttft_attainment", "{:.3f}"),
+    ("TBT att", "tbt_attainment", "{:.3f}"),
+    ("goodput", "goodput_share", "{:.3f}"),
+    ("goodput/s", "goodput_rps", "{:.1f}"),
+    ("TTFT p50/p90/p99 ms", ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms"), "{:.0f}"),
+    ("TBT p50/p90/p99 ms", ("tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms"), "{:.0f}"),
+    ("tok/s", "throughput_tok_s", "{:.0f}"),
+    ("swap GB/s out/in", ("swap_gb_s_gpu_to_cpu", "swap_gb_s_cpu_to_gpu"), "{:.2f}"),
+    ("rotations", "rotations", "{:.0f}"),
+    ("recomputes", "recomputes", "{:.0f}"),
+)
+
+
+def add_simulate_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replica")
+    g.add_argument(
+        "--model", default="llama-3-8b", help="a preset (llama-3-8b, qwen2.5-32b, mixtral-8x7b, ...) or a config.json"
+    )
+    g.add_argument("--hardware", default="gh200", help="gh200, h100 (PCIe Gen5 host link), h200, cpu")
+    g.add_argument(
+        "--calibration", type=Path, default=None, help="JSON of measured step and copy costs (replaces the roofline)"
+    )
+    g.add_argument("--policies", default="fcfs,rotary,watermark", help="comma-separated")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument(
+        "--gpu-kv-gib", type=float, default=None, help="GPU KV pool (default: what the memory budget leaves)"
+    )
+    g.add_argument("--num-gpu-blocks", type=int, default=None)
+    g.add_argument("--cpu-kv-gib", type=float, default=None, help="CPU KV tier (default: a quarter of host memory)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=8192)
+    g.add_argument("--transfer-budget-blocks", type=int, default=2400, help="B_xfer")
+    g.add_argument("--duplex", choices=("full", "half", "serial"), default="full")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--write-through", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--slo-admission", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--rotary-alpha", type=float, default=3.0)
+    g.add_argument("--rotary-beta-f", type=float, default=0.5)
+    g.add_argument("--rotary-beta-b", type=float, default=0.0)
+    g.add_argument("--host-ms", type=float, default=None, help="scheduler host time per step (default: the profile's)")
+    g.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="rotary once per value (alpha, transfer_budget_blocks, duplex, ...)",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--rates", default="35,40,45,50,55,60", help="requests per second, comma-separated")
+    w.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 is Poisson")
+    w.add_argument(
+        "--trace", type=Path, default=None, help='lengths from JSONL {"prompt","generated"} or ShareGPT JSON'
+    )
+    w.add_argument("--prompt-median", type=float, default=150.0)
+    w.add_argument("--output-median", type=float, default=200.0)
+    w.add_argument("--max-prompt", type=int, default=1024)
+    w.add_argument("--max-output", type=int, default=8192)
+    w.add_argument("--ttft-slo-ms", type=float, default=5000.0)
+    w.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    w.add_argument("--seed", type=int, default=0)
+    c = p.add_argument_group("capacity")
+    c.add_argument(
+        "--max-rate",
+        action="store_true",
+        help="bisect for the highest rate meeting --target between the lowest and highest of --rates "
+        "(the highest doubled at most twice while it still meets it)",
+    )
+    c.add_argument("--replicas-for", type=float, default=None, metavar="RATE", help="replicas needed at RATE req/s")
+    c.add_argument("--target", type=float, default=0.9, help="attainment target (share of requests)")
+    c.add_argument("--target-metric", default="goodput_share", help="goodput_share, ttft_attainment, tbt_attainment")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, default=None, help="write every report here")
+    o.add_argument("--plot", type=Path, default=None, help="attainment/goodput vs rate and TTFT CDFs (PNG)")
+    o.add_argument("--jobs", type=int, default=1, help="simulate this many points at once (processes)")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+
+
+def sim_config(args: argparse.Namespace) -> Any:
+    from superinfer.engine.core.policies import RotaryParams
+    from superinfer.sim.config import SimConfig
+
+    return SimConfig(
+        model=args.model,
+        hardware=args.hardware,
+        calibration=args.calibration,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_kv_gib=args.gpu_kv_gib,
+        num_gpu_blocks=args.num_gpu_blocks,
+        cpu_kv_gib=args.cpu_kv_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        transfer_budget_blocks=args.transfer_budget_blocks,
+        write_through=args.write_through,
+        duplex=args.duplex,
+        async_scheduling=args.async_scheduling,
+        host_s=None if args.host_ms is None else args.host_ms / 1000.0,
+        rotary=RotaryParams(
+            alpha=args.rotary_alpha,
+            beta_f=args.rotary_beta_f,
+            beta_b=args.rotary_beta_b,
+            slo_admission=args.slo_admission,
+        ),
+    )
+
+
+def workload_spec(args: argparse.Namespace) -> Any:
+    from superinfer.engine.slo import SLO
+    from superinfer.sim.workload_spec import WorkloadSpec
+
+    return WorkloadSpec(
+        duration_s=args.duration,
+        seed=args.seed,
+        slo=SLO(args.ttft_slo_ms, args.tbt_slo_ms),
+        prompt_median=args.prompt_median,
+        output_median=args.output_median,
+        max_prompt=args.max_prompt,
+        max_output=args.max_output,
+        burstiness=args.burstiness,
+        trace=args.trace,
+    )
+
+
+def _cell(report: dict[str, float], key: str | tuple[str, ...], fmt: str) -> str:
+    keys = (key,) if isinstance(key, str) else key
+    return "/".join(fmt.format(report[k]) for k in keys)
+
+
+def points_table(points: dict[str, list[dict[str, float]]], title: str) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name in ("policy", "rate", *(c[0] for c in COLUMNS)):
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for label, reports in points.items():
+        for r in reports:
+            table.add_row(escape(label), f"{r['rate']:g}", *(_cell(r, key, fmt) for _, key, fmt in COLUMNS))
+    return table
+
+
+def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from superinfer.sim.capacity import max_rate, replicas_for
+    from superinfer.sim.sweep import run_point, run_sweep, variants
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # piped or logged: the table keeps its columns
+    base, workload = sim_config(args), workload_spec(args)
+    runs = variants([p.strip() for p in args.policies.split(",") if p.strip()], args.vary)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    m, hw = base.model_spec(), base.profile()
+    gpu_blocks = base.num_gpu_blocks_sized()
+    cost = f"calibration {args.calibration}" if args.calibration else "roofline"
+    header = (
+        f"{m.name} on {hw.description}: {gpu_blocks} GPU KV blocks "
+        f"({gpu_blocks * base.block_bytes() / 2**30:.1f} GiB), "
+        f"{cost}, {args.duration:g} s per point, SLO {args.ttft_slo_ms:g} ms / {args.tbt_slo_ms:g} ms"
+    )
+    console.print(header)
+    out: dict[str, Any] = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(base).items()},
+        "workload": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(workload).items()},
+        "hardware": dataclasses.asdict(hw),
+    }
+    capacity = args.max_rate or args.replicas_for is not None
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not args.progress,
+        transient=True,
+    )
+    with progress:
+        if not capacity:
+            task = progress.add_task("simulating", total=len(runs) * len(rates))
+
+            def advance(label: str, rate: float, report: dict[str, float]) -> None:
+                progress.update(task, advance=1, description=f"{label} @ {rate:g} req/s")
+
+            sweep = run_sweep(base, workload, runs, rates, advance, args.jobs)
+            out["points"] = sweep.points
+        else:
+            task = progress.add_task("bisecting", total=None)
+            found: dict[str, Any] = {}
+            for variant in runs:
+                config = variant.apply(base)
+
+                def metric_at(rate: float, config: Any = config, label: str = variant.label) -> float:
+                    progress.update(task, advance=1, description=f"{label} @ {rate:.2f} req/s")
+                    return run_point(config, workload, rate)[0][args.target_metric]
+
+                result = max_rate(metric_at, args.target, lo=min(rates), hi=max(rates), max_expand=2)
+                entry: dict[str, Any] = {"max_rate": result.rate, "bounded": result.bounded, "probes": result.probes}
+                if args.replicas_for is not None and result.rate > 0:
+                    n = replicas_for(args.replicas_for, result.rate)
+                    while metric_at(args.replicas_for / n) < args.target:
+                        n += 1  # the bisection's tolerance: check the share each replica gets
+                    entry["replicas"] = n
+                found[variant.label] = entry
+            out["capacity"] = {"target": args.target, "metric": args.target_metric, "policies": found}
+    if "points" in out:
+        console.print(points_table(out["points"], f"SLO: TTFT ≤ {args.ttft_slo_ms:g} ms, TBT ≤ {args.tbt_slo_ms:g} ms"))
+        if args.plot:
+            from superinfer.sim.plot import plot_sweep
+
+            console.print(f"plot: {plot_sweep(sweep, args.plot, header.split(':')[0])}")
+    else:
+        from rich.markup import escape
+        from rich.table import Table
+
+        table = Table(title=f"highest rate with {args.target_metric} ≥ {args.target:g}")
+        table.add_column("policy")
+        table.add_column("max rate (req/s)", justify="right")
+        if args.replicas_for is not None:
+            table.add_column(f"replicas for {args.replicas_for:g} req/s", justify="right")
+        for label, entry in out["capacity"]["policies"].items():
+            rate = f"{entry['max_rate']:.2f}" + ("" if entry["bounded"] else "+")
+            table.add_row(
+                escape(label), rate, *([str(entry.get("replicas", "-"))] if args.replicas_for is not None else [])
+            )
+        console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        console.print(f"wrote {args.json}")
+    return out

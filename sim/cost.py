@@ -1,0 +1,133 @@
+"""Step and copy costs for the simulator, as `StepCost`s that `DeviceTimeline` places on lanes.
+
+Roofline: a step streams the weights it uses and the KV its sequences attend to from HBM, and
+computes 2 x active parameters FLOPs per token plus attention; it takes the longer of the two at
+the profile's achieved rates, plus a fixed launch cost. A block copy takes its bytes over the host
+link: with full duplex both directions usually run at once (eager write-through keeps copy-out
+busy while copy-in brings rotary requests back), so each gets half the link's both-ways rate;
+half duplex and serial copies run one direction at a time at the one-way rate.
+
+A calibration file (measured on a device, or fitted from the engine's own step-time model)
+replaces the roofline with a linear cost: fixed + per token + per sequence + per thousand context
+tokens, and copies at measured GB/s per direction. A `bench.step` record instead keeps the roofline
+at the rates that benchmark measured (HBM bandwidth x its decode share of the roofline at the
+largest batch, and its prefill share of bf16 peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from superinfer.bench.step_cost import StepCost
+from superinfer.engine.core.plan import StepPlan
+from superinfer.sim.hardware import HardwareProfile
+from superinfer.sim.model_spec import ModelSpec
+
+
+def block_bytes(model: ModelSpec, block_size: int) -> int:
+    return model.kv_bytes_per_token() * block_size
+
+
+def copy_bandwidths(hw: HardwareProfile, duplex: str) -> tuple[float, float]:
+    """(GPU->CPU, CPU->GPU) bytes/s each copy direction gets under the duplex mode."""
+    if duplex == "full":
+        return hw.link_bw_duplex / 2, hw.link_bw_duplex / 2
+    return hw.link_bw_one_way, hw.link_bw_one_way
+
+
+@dataclass(frozen=True)
+class RooflineCost(StepCost):
+    model: ModelSpec | None = None
+    hw: HardwareProfile | None = None
+
+    def terms(self, tokens: int, context: float, attended: float) -> tuple[float, float]:
+        """(memory seconds, compute seconds) of a step computing `tokens` tokens over `context`
+        cached tokens in all (KV read), `attended` token pairs in all (attention FLOPs)."""
+        m, hw = self.model, self.hw
+        assert m is not None and hw is not None
+        read = m.weight_bytes_read(tokens) + m.kv_bytes_per_token() * context
+        flops = 2.0 * m.active_params * tokens + 4.0 * m.num_layers * m.num_heads * m.head_dim * attended
+        return read / (hw.hbm_bw * hw.hbm_efficiency), flops / (hw.peak_flops * hw.flops_efficiency)
+
+    def compute(self, plan: StepPlan) -> float:
+        if not plan.seqs:
+            return 0.0
+        tokens = context = 0
+        attended = 0.0
+        for s in plan.seqs:
+            n = len(s.token_ids)
+            tokens += n
+            context += s.start_pos + n
+            attended += n * (s.start_pos + (n + 1) / 2)  # causal: the i-th new token sees start_pos + i
+        memory, flops = self.terms(tokens, context, attended)
+        return self.base_s + max(memory, flops)
+
+
+def roofline_cost(model: ModelSpec, hw: HardwareProfile, block_size: int, duplex: str) -> RooflineCost:
+    out_bw, in_bw = copy_bandwidths(hw, duplex)
+    nbytes = block_bytes(model, block_size)
+    return RooflineCost(
+        base_s=hw.launch_s,
+        per_token_s=0.0,
+        per_seq_s=0.0,
+        per_block_out_s=nbytes / out_bw,
+        per_block_in_s=nbytes / in_bw,
+        model=model,
+        hw=hw,
+    )
+
+
+@dataclass(frozen=True)
+class CalibratedCost(StepCost):
+    per_kcontext_s: float = 0.0  # per thousand tokens attended to (the engine's StepTimeModel form)
+
+    def compute(self, plan: StepPlan) -> float:
+        if not plan.seqs:
+            return 0.0
+        context = sum(s.start_pos + len(s.token_ids) for s in plan.seqs)
+        return super().compute(plan) + self.per_kcontext_s * context / 1000.0
+
+
+def load_calibration(path: Path, model: ModelSpec, block_size: int) -> CalibratedCost:
+    """JSON {"base_s", "per_token_s", "per_seq_s", "per_kcontext_s", and per direction either
+    "copy_out_gb_s"/"copy_in_gb_s" or "per_block_out_s"/"per_block_in_s"}; missing step terms are 0."""
+    raw = json.loads(Path(path).read_text())
+    raw = raw.get("calibration", raw)  # a results record may nest it
+    nbytes = block_bytes(model, block_size)
+
+    def per_block(direction: str) -> float:
+        if f"per_block_{direction}_s" in raw:
+            return float(raw[f"per_block_{direction}_s"])
+        if f"copy_{direction}_gb_s" in raw:
+            return nbytes / (float(raw[f"copy_{direction}_gb_s"]) * 1e9)
+        raise ValueError(f"calibration {path} gives no copy-{direction} rate (copy_{direction}_gb_s)")
+
+    return CalibratedCost(
+        base_s=float(raw.get("base_s", 0.0)),
+        per_token_s=float(raw.get("per_token_s", 0.0)),
+        per_seq_s=float(raw.get("per_seq_s", 0.0)),
+        per_kcontext_s=float(raw.get("per_kcontext_s", 0.0)),
+        per_block_out_s=per_block("out"),
+        per_block_in_s=per_block("in"),
+    )
+
+
+def profile_from_step_record(hw: HardwareProfile, record: dict) -> HardwareProfile:
+    """The profile with `bench.step`'s measured rates in place of nominal x efficiency."""
+    figures = record["figures"]
+    shares = sorted(
+        (int(k.removeprefix("decode_b").removesuffix("_share_of_roofline")), v)
+        for k, v in figures.items()
+        if k.startswith("decode_b") and k.endswith("_share_of_roofline")
+    )
+    if not shares or "hbm_gb_s_measured" not in figures or "prefill_share_of_bf16_peak" not in figures:
+        raise ValueError("a bench.step record needs hbm_gb_s_measured, decode_b*_share_of_roofline and prefill_share")
+    return dataclasses.replace(
+        hw,
+        hbm_bw=figures["hbm_gb_s_measured"] * 1e9,
+        hbm_efficiency=shares[-1][1],
+        flops_efficiency=figures["prefill_share_of_bf16_peak"],
+    )

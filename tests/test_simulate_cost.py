@@ -1,0 +1,133 @@
+"""The simulator's cost model against hand calculations (PERFORMANCE.md's roofline terms)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from superinfer.bench.step_cost import COPY_LANES
+from superinfer.engine.core.plan import ScheduledSeq, StepPlan
+from superinfer.engine.core.request import SamplingParams
+from superinfer.sim.config import SimConfig
+from superinfer.sim.cost import CalibratedCost, load_calibration, roofline_cost
+from superinfer.sim.hardware import get_profile
+from superinfer.sim.model_spec import load_model_spec
+
+LLAMA = load_model_spec("llama-3-8b")
+# Nominal rates, no launch cost: the bare roofline.
+H100 = dataclasses.replace(get_profile("h100"), hbm_efficiency=1.0, flops_efficiency=1.0, launch_s=0.0)
+
+
+def plan(*seqs: tuple[int, int]) -> StepPlan:
+    """(start_pos, new tokens) per sequence."""
+    return StepPlan(1, [ScheduledSeq(f"r{i}", [0] * n, s, [], True, SamplingParams()) for i, (s, n) in enumerate(seqs)])
+
+
+def test_llama_3_8b_shape():
+    assert LLAMA.num_params == 8_030_261_248  # embeddings + 32 layers + untied head
+    assert LLAMA.weight_bytes == 2 * 8_030_261_248
+    assert LLAMA.kv_bytes_per_token() == 128 * 1024  # 2 x 32 layers x 8 heads x 128 x 2 bytes
+
+
+def test_decode_is_bound_by_weights_and_kv_bytes():
+    cost = roofline_cost(LLAMA, H100, 16, "full")
+    # B=1: 16.06 GB of weights plus one token's KV at 3.35 TB/s.
+    assert cost.compute(plan((0, 1))) == pytest.approx((16_060_522_496 + 131_072) / 3.35e12)
+    # B=64 at 2k context: the KV read (64 x 2048 x 128 KiB = 17.2 GB) doubles it, ~9.9 ms.
+    b64 = cost.compute(plan(*[(2047, 1)] * 64))
+    assert b64 == pytest.approx((16_060_522_496 + 64 * 2048 * 131_072) / 3.35e12)
+    assert 9.8e-3 < b64 < 10.0e-3
+
+
+def test_prefill_is_bound_by_flops():
+    cost = roofline_cost(LLAMA, H100, 16, "full")
+    # 1024 new tokens: 2 x 7.5e9 active params x 1024 plus causal attention 4 x 32 x 4096 x 1024 x 512.5.
+    flops = 2 * LLAMA.active_params * 1024 + 4 * 32 * 4096 * 1024 * 512.5
+    assert cost.compute(plan((0, 1024))) == pytest.approx(flops / 989e12)
+    assert 15e-3 < flops / 989e12 < 16.5e-3
+
+
+def test_efficiency_and_launch_cost_apply():
+    hw = dataclasses.replace(H100, hbm_efficiency=0.5, launch_s=0.001)
+    assert roofline_cost(LLAMA, hw, 16, "full").compute(plan((0, 1))) == pytest.approx(
+        0.001 + (16_060_522_496 + 131_072) / 1.675e12
+    )
+    assert roofline_cost(LLAMA, hw, 16, "full").compute(StepPlan(1, [])) == 0.0
+
+
+def test_block_copies_at_link_bandwidth_per_direction():
+    gh200, h100 = get_profile("gh200"), get_profile("h100")
+    block = 16 * 128 * 1024  # 2 MiB
+    full = roofline_cost(LLAMA, gh200, 16, "full")
+    assert full.per_block_out_s == full.per_block_in_s == pytest.approx(block / 192e9)  # both ways at once
+    assert roofline_cost(LLAMA, h100, 16, "half").per_block_in_s == pytest.approx(block / 50e9)  # one at a time
+    assert roofline_cost(LLAMA, h100, 16, "full").per_block_in_s == pytest.approx(block / 41.5e9)
+
+
+def test_moe_weight_traffic_counts_the_experts_in_use():
+    mixtral = load_model_spec("mixtral-8x7b")
+    assert 46e9 < mixtral.num_params < 47.5e9 and 12.5e9 < mixtral.active_params < 13.2e9
+    assert mixtral.experts_touched(1) == pytest.approx(2.0)  # top-2
+    assert mixtral.experts_touched(2) == pytest.approx(8 * (1 - 0.75**2))
+    assert mixtral.experts_touched(256) == pytest.approx(8.0)
+    one = mixtral.weight_bytes_read(1)
+    assert one == pytest.approx((mixtral.shared_params + 32 * 2 * mixtral.expert_params) * 2)
+    assert mixtral.weight_bytes_read(256) == pytest.approx(mixtral.weight_bytes, rel=1e-9)
+    assert load_model_spec("llama-3-8b").weight_bytes_read(256) == LLAMA.weight_bytes  # dense: all of it
+
+
+def test_calibration_replaces_the_roofline(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(
+        json.dumps(
+            {
+                "calibration": {
+                    "base_s": 0.002,
+                    "per_token_s": 1e-5,
+                    "per_kcontext_s": 0.001,
+                    "copy_out_gb_s": 20,
+                    "per_block_in_s": 3e-4,
+                }
+            }
+        )
+    )
+    cost = load_calibration(path, LLAMA, 16)
+    assert isinstance(cost, CalibratedCost)
+    assert cost.compute(plan((999, 1), (0, 100))) == pytest.approx(0.002 + 101e-5 + 0.001 * 1.1)
+    assert cost.per_block_out_s == pytest.approx(16 * 128 * 1024 / 20e9)
+    assert cost.per_block_in_s == 3e-4
+    assert SimConfig(calibration=path).step_cost() == cost
+    path.write_text(json.dumps({"base_s": 0.01}))
+    with pytest.raises(ValueError, match="copy-out"):
+        load_calibration(path, LLAMA, 16)
+
+
+def test_kv_pool_sizing_leaves_out_the_weights():
+    config = SimConfig(model="llama-3-8b", hardware="h100", gpu_memory_utilization=0.9)
+    blocks = config.num_gpu_blocks_sized()
+    assert 25e9 < blocks * 2 * 1024 * 1024 < 72e9 - 16e9
+    assert SimConfig(gpu_kv_gib=4).num_gpu_blocks_sized() == 2048
+    with pytest.raises(ValueError, match="no KV memory"):
+        SimConfig(model="mixtral-8x7b", hardware="h100").num_gpu_blocks_sized()
+
+
+def test_timeline_lanes_are_the_executors():
+    from superinfer.engine.worker.duplex import COPY_LANES as EXECUTOR_LANES
+
+    assert COPY_LANES == EXECUTOR_LANES
+
+
+def test_a_bench_step_record_sets_the_roofline_rates(tmp_path):
+    path = tmp_path / "step-nvidia-h100-2026-11-23.json"
+    figures = {
+        "hbm_gb_s_measured": 3000.0,
+        "decode_b1_share_of_roofline": 0.6,
+        "decode_b64_share_of_roofline": 0.85,
+        "prefill_share_of_bf16_peak": 0.5,
+    }
+    path.write_text(json.dumps({"bench": "step", "figures": figures}))
+    cost = SimConfig(hardware="h100", calibration=path, duplex="full").step_cost()
+    assert cost.hw.hbm_bw == 3000e9 and cost.hw.hbm_efficiency == 0.85 and cost.hw.flops_efficiency == 0.5
+    assert cost.compute(plan((0, 1))) == pytest.approx(cost.hw.launch_s + (16_060_522_496 + 131_072) / 2550e9)
