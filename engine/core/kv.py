@@ -372,6 +372,11 @@ class KVCacheManager:
         req.block_ids = []
         return copies
 
+    def new_blocks_to_swap_in(self, req: Request, num_new_tokens: int) -> int:
+        """The free blocks a rotary request takes beyond its full blocks: a lower bound of
+        `swap_in_need`'s first figure, without a lookup."""
+        return self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
+
     def swap_in_need(self, req: Request, num_new_tokens: int) -> tuple[int, int]:
         """(free GPU blocks taken, blocks copied) to bring a rotary request back and compute
         `num_new_tokens`. Its own blocks still cached on the GPU are reused without a copy (they
@@ -383,8 +388,7 @@ class KVCacheManager:
             copies += block is None
             taken += block is None or self.pool.ref_cnt[block] == 0
         copies += req.cpu_tail is not None
-        taken += self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
-        return taken, copies
+        return taken + self.new_blocks_to_swap_in(req, num_new_tokens), copies
 
     def swap_in(self, req: Request, num_new_tokens: int, step: int) -> SwapIn:
         """Bring a rotary request's KV back: the copies, and what they must wait for.
