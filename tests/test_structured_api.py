@@ -7,7 +7,6 @@ import json
 import re
 
 import jsonschema
-import openai
 import pytest
 
 from superinfer.engine.config import EngineConfig
@@ -48,7 +47,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "
 
 @pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
 async def server(request):
-    """The tiny model with room for tool listings in the prompt (the shared fixture has 256 tokens)."""
+    """The tiny model with room for tool listings in the prompt (the shared fixture has 256 tokens);
+    conftest's `client` fixture connects to this one in this module."""
     running = await start_server(
         EngineConfig(
             model="tiny",
@@ -61,12 +61,6 @@ async def server(request):
     )
     yield running
     await running.close()
-
-
-@pytest.fixture
-async def client(server):
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as cl:
-        yield cl
 
 
 async def test_json_schema_answers_always_validate(server):
