@@ -126,3 +126,48 @@ def test_happens_before_on_cuda_streams_the_duplex_modes_leave_the_serial_kv(mod
     torch.cuda.synchronize()
     assert torch.equal(core.runner.kv_cache, baseline.runner.kv_cache)
     assert torch.equal(core.runner.duplex.cpu, baseline.runner.duplex.cpu)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sampling_controls_and_grammars_on_cuda_match_cpu(async_scheduling):
+    """Penalties, logit_bias, prompt logprobs and grammar masks (packed on the host, unpacked on
+    the device) give the CPU's tokens on CUDA, with async scheduling too."""
+    import json
+
+    from superinfer.engine.guided import GuidedSpec
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    sampling = {
+        "penalized": SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            ignore_eos=True,
+            presence_penalty=1.0,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+            logit_bias=((5, 3.0),),
+        ),
+        "scored": SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1),
+        "json": SamplingParams(max_tokens=64, temperature=0, guided=GuidedSpec.for_json_schema(schema)),
+    }
+    outs = {}
+    for device in ("cpu", "cuda"):
+        core = EngineCore(
+            EngineConfig(
+                model="tiny",
+                device=device,
+                dtype="float32",
+                num_gpu_blocks=256,
+                async_scheduling=async_scheduling if device == "cuda" else False,
+            )
+        )
+        prompts = random_prompts(3, core.model_config.vocab_size, seed=6, lo=10, hi=30)
+        outs[device] = run(core, dict(zip(sampling, prompts.values(), strict=True)), sampling)
+    assert outs["cuda"] == outs["cpu"]
+    text = core.tokenizer.decode(outs["cuda"]["json"])
+    assert isinstance(json.loads(text)["n"], int)
