@@ -476,8 +476,9 @@ class AsyncEngine:
                 self._deliver([(rid, EngineDeadError(f"engine step failed: {exc}")) for rid in list(self._streams)])
                 return
             self._deliver([(o.request_id, o) for o in outputs])
-            for out in outputs:
-                self._release_held(out.request_id)
+            if self._held:
+                for out in outputs:
+                    self._release_held(out.request_id)
 
     def _holds(self, after: str | None) -> bool:
         """Whether a request sharing `after`'s prompt should wait for that prompt's KV."""

@@ -11,6 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# The JSON layout forced on every schema and tool call: no whitespace anywhere except at most one
+# space after ',' and ':' (llguidance treats the separators as regexes). Unbounded whitespace lets a
+# model, a random one certainly, emit blanks forever; one optional space keeps `{"a": 1, "b": 2}`,
+# which is how most models were trained to write JSON, and `{"a":1,"b":2}`.
+JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
+
 GuidedKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 
 # vLLM `structured_outputs` keys that tune a backend; accepted and ignored.

@@ -20,20 +20,13 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import llguidance
 import numpy as np
 import torch
 
-from superinfer.engine.guided import GrammarError, GuidedSpec, choices
+from superinfer.engine.guided import JSON_LAYOUT, GrammarError, GuidedSpec, choices
 from superinfer.engine.tokenizer import Tokenizer
-
-# JSON layout forced on every schema: no whitespace anywhere except at most one space after ','
-# and ':' (llguidance treats the separators as regexes). Unbounded whitespace lets a model,
-# a random one certainly, emit blanks forever; one optional space keeps `{"a": 1, "b": 2}`,
-# which is how most models were trained to write JSON, and `{"a":1,"b":2}`.
-JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 
 
 def _grammar_text(spec: GuidedSpec) -> str:

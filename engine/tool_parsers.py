@@ -28,14 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from superinfer.engine.guided import JSON_LAYOUT
+
 _WS = " \t\r\n"
 _STRING_RUN = re.compile(r'[^"\\]+')
 NAME_KEY = "name"
 ARGUMENT_KEYS = ("arguments", "parameters")
-
-# Same layout as structured.JSON_LAYOUT (this module stays free of torch): no whitespace in the
-# generated JSON but one optional space after ',' and ':'.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 
 
 @dataclass(frozen=True)
@@ -527,7 +525,7 @@ class ToolParser(ABC):
             return None
         repeat = schema.get("type") == "array" and parallel
         call = schema["items"] if schema.get("type") == "array" else schema
-        return self._grammar({"x-guidance": _JSON_LAYOUT, **call}, repeat)
+        return self._grammar({"x-guidance": JSON_LAYOUT, **call}, repeat)
 
 
 class HermesParser(ToolParser):

@@ -136,3 +136,18 @@ def hf_model(path: Path) -> Any:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], num_tokens: int, **generate_kwargs: Any) -> list[int]:
+    """transformers' greedy continuation of `prompt`: exactly `num_tokens` tokens, EOS ignored."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **generate_kwargs,
+    )
+    return out[0, len(prompt) :].tolist()

@@ -11,7 +11,7 @@ import torch
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
-from tests.hf_fixtures import hf_model, make_hf_checkpoint
+from tests.hf_fixtures import hf_greedy, hf_model, make_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -49,15 +49,7 @@ def test_greedy_generation_matches_transformers(arch, tmp_path):
     prompts = random_prompts(3, reference.config.vocab_size, seed=1)
     ours = run(engine(str(path), block_size=4), prompts)
     for rid, prompt in prompts.items():
-        ids = torch.tensor([prompt])
-        expected = reference.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=12,
-            min_new_tokens=12,
-            do_sample=False,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        expected = hf_greedy(reference, prompt, 12)
         assert ours[rid] == expected, f"{arch} {rid}"
 
 

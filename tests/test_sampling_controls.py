@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from superinfer.engine.core.request import SamplingParams
-from tests.hf_fixtures import hf_model, make_hf_checkpoint
+from tests.hf_fixtures import hf_greedy, hf_model, make_hf_checkpoint
 from tests.test_engine import engine, random_prompts, run
 
 
@@ -58,16 +58,7 @@ def test_repetition_penalty_matches_transformers_generate(checkpoint):
     sampling = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, repetition_penalty=1.8)
     ours = run(engine(str(path), block_size=4), prompts, sampling)
     for rid, prompt in prompts.items():
-        ids = torch.tensor([prompt])
-        expected = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=14,
-            min_new_tokens=14,
-            do_sample=False,
-            repetition_penalty=1.8,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        expected = hf_greedy(model, prompt, 14, repetition_penalty=1.8)
         assert ours[rid] == expected, rid
 
 

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from superinfer.engine import tool_parsers
 from superinfer.engine.model.tiny import EOT, TINY_VOCAB_SIZE, tiny_tokenizer
 from superinfer.engine.structured import (
     JSON_LAYOUT,
@@ -22,7 +23,6 @@ from superinfer.engine.structured import (
 )
 from superinfer.engine.tokenizer import Tokenizer
 from superinfer.engine.tool_parsers import (
-    _JSON_LAYOUT,
     ContentDelta,
     ParsedOutput,
     ToolCall,
@@ -276,7 +276,7 @@ def test_tool_choice_errors() -> None:
 
 
 def test_json_layout_matches_structured() -> None:
-    assert _JSON_LAYOUT == JSON_LAYOUT
+    assert tool_parsers.JSON_LAYOUT == JSON_LAYOUT
 
 
 @pytest.fixture(scope="module")
