@@ -139,15 +139,13 @@ class CompletionFormat:
         first, self.started[index] = not self.started[index], True
         self._count(index, out)
         choice = self._choice(index, [out], first)
-        if not self._carries(choice) and not out.finished:
+        carries = choice["text"] or choice["logprobs"] is not None or "prompt_logprobs" in choice
+        if not carries and not out.finished:
             return None
         body = self._envelope([choice])
         if continuous_usage:
             body["usage"] = self.usage()
         return body
-
-    def _carries(self, choice: dict[str, Any]) -> bool:
-        return bool(choice["text"]) or choice["logprobs"] is not None or "prompt_logprobs" in choice
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._envelope([]), "usage": self.usage()}
