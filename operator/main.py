@@ -9,9 +9,9 @@ import os
 
 import kopf
 
-from superinfer.operator import names
-from superinfer.operator.handlers import build_registry
-from superinfer.operator.state import Config
+from superinfer.operator.api import names
+from superinfer.operator.controller.handlers import build_registry
+from superinfer.operator.controller.state import Config
 
 SETTINGS = kopf.OperatorSettings()
 

@@ -11,11 +11,11 @@ from typing import Any
 import kopf
 import pytest
 
-from superinfer.operator import names
-from superinfer.operator.handlers import build_registry
-from superinfer.operator.kube import Kube
-from superinfer.operator.reconcile import ISVC
-from superinfer.operator.state import Config, State
+from superinfer.operator.api import names
+from superinfer.operator.controller.handlers import build_registry
+from superinfer.operator.controller.kube_client import Kube
+from superinfer.operator.controller.reconcile import ISVC
+from superinfer.operator.controller.state import Config, State
 from tests.operator.emulator import Emulator
 
 ISVC_RES = f"{names.API_VERSION}/{names.PLURAL}"

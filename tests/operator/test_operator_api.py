@@ -12,11 +12,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from superinfer.operator import conditions, gen, names
-from superinfer.operator.api import InferenceService, InferenceServiceSpec
-from superinfer.operator.crd import build_crd
-from superinfer.operator.schema import structural_problems
-from superinfer.operator.validation import validate
+from superinfer.operator import generate
+from superinfer.operator.api import names
+from superinfer.operator.api.crd import build_crd
+from superinfer.operator.api.inference_service import InferenceService, InferenceServiceSpec
+from superinfer.operator.api.openapi_schema import structural_problems
+from superinfer.operator.api.validation import validate
+from superinfer.operator.controller import conditions
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -27,11 +29,11 @@ def crd_schema() -> dict:
 
 
 def test_generated_files_are_in_sync():
-    assert gen.stale(ROOT) == [], "run: python -m superinfer.operator.gen"
+    assert generate.stale(ROOT) == [], "run: python -m superinfer.operator.generate"
 
 
 def test_crd_is_valid_structural_and_complete():
-    crd = yaml.safe_load((ROOT / gen.CRD_FILE).read_text())
+    crd = yaml.safe_load((ROOT / generate.CRD_FILE).read_text())
     kubernetes_validate.validate(crd, "1.33", strict=True)
     assert structural_problems(crd_schema()) == []
     version = crd["spec"]["versions"][0]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import json
 
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.apply import patch_for, with_last_applied
-from superinfer.operator.names import LAST_APPLIED
-from superinfer.operator.render import Context, render_deployment
+from superinfer.operator.api.inference_service import InferenceServiceSpec
+from superinfer.operator.api.names import LAST_APPLIED
+from superinfer.operator.controller.apply import patch_for, with_last_applied
+from superinfer.operator.controller.render import Context, render_deployment
 
 
 def deployment(resources: dict[str, str]) -> dict:

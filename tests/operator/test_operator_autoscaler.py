@@ -10,13 +10,20 @@ from dataclasses import replace
 import pytest
 
 from superinfer.engine.contract import metric
-from superinfer.operator.api import InferenceServiceSpec, SLOClassSpec, SLOStatus
-from superinfer.operator.kube import Kube
-from superinfer.operator.latency import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
-from superinfer.operator.scaling_decision import Memory, Observation, Params, decide, scale_up_target
-from superinfer.operator.scaling_tick import record, tick
-from superinfer.operator.scrape import ClassStats, Window, WindowStats, histogram_quantile, parse, pooled
-from superinfer.operator.state import Config, Scaler, State
+from superinfer.operator.api.inference_service import InferenceServiceSpec, SLOClassSpec, SLOStatus
+from superinfer.operator.autoscaling.decision import Memory, Observation, Params, decide, scale_up_target
+from superinfer.operator.autoscaling.latency_model import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
+from superinfer.operator.autoscaling.pod_metrics import (
+    ClassStats,
+    Window,
+    WindowStats,
+    histogram_quantile,
+    parse,
+    pooled,
+)
+from superinfer.operator.autoscaling.tick import record, tick
+from superinfer.operator.controller.kube_client import Kube
+from superinfer.operator.controller.state import Config, Scaler, State
 
 SPEC = InferenceServiceSpec.model_validate(
     {

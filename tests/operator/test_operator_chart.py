@@ -14,8 +14,9 @@ import yaml
 
 from superinfer.engine import contract as c
 from superinfer.engine.contract import exported_series_names
-from superinfer.operator import dashboards, gen, metrics, promql
-from superinfer.operator.values import ChartValues
+from superinfer.operator import generate
+from superinfer.operator.api.chart_values import ChartValues
+from superinfer.operator.observability import dashboards, operator_metrics, promql
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "superinfer"
@@ -62,7 +63,7 @@ def test_default_render_validates(chart):
 
 def test_crd_template_matches_crds_folder_and_is_kept(chart):
     crd = next(d for d in render(chart) if d["kind"] == "CustomResourceDefinition")
-    plain = yaml.safe_load((ROOT / gen.CRD_FILE).read_text())
+    plain = yaml.safe_load((ROOT / generate.CRD_FILE).read_text())
     assert crd["spec"] == plain["spec"]
     assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
     assert "CustomResourceDefinition" not in kinds(render(chart, {"crds": {"install": False}}))
@@ -189,7 +190,7 @@ def test_promql_extractor():
 
 
 def test_every_promql_expr_uses_only_exported_metric_names(chart):
-    known = exported_series_names() | metrics.exported_names()
+    known = exported_series_names() | operator_metrics.exported_names()
     known |= {promql.recording_name(w) for w in promql.RULE_WINDOWS}
     known |= {"superinfer:ttft_seconds:p90_5m", "superinfer:tbt_seconds:p90_5m"}
     used: set[str] = set()
@@ -213,7 +214,7 @@ def test_every_promql_grouping_label_is_an_exported_label(chart):
     engine = {
         label for labels in (*c.GAUGES.values(), *c.COUNTERS.values(), *c.HISTOGRAMS.values()) for label in labels
     }
-    known = engine | set(c.SLO_TARGET_LABELS) | {"model_name", "le"} | {*metrics.LABELS, "direction", "reason"}
+    known = engine | set(c.SLO_TARGET_LABELS) | {"model_name", "le"} | {*operator_metrics.LABELS, "direction", "reason"}
     grouped: set[str] = set()
     for expr in all_exprs(chart):
         for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
@@ -226,7 +227,7 @@ def test_every_promql_grouping_label_is_an_exported_label(chart):
 def test_operator_metric_names_match_what_prometheus_client_exports():
     from prometheus_client import generate_latest
 
-    m = metrics.OperatorMetrics()
+    m = operator_metrics.OperatorMetrics()
     m.desired_replicas.labels("ns", "x").set(1)
     m.current_replicas.labels("ns", "x").set(1)
     m.ready_replicas.labels("ns", "x").set(1)
@@ -236,4 +237,4 @@ def test_operator_metric_names_match_what_prometheus_client_exports():
     m.reconcile_errors.labels("ns", "x").inc()
     text = generate_latest(m.registry).decode()
     exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-    assert exported == metrics.exported_names()
+    assert exported == operator_metrics.exported_names()

@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 
 from superinfer.engine import contract
-from superinfer.operator import names
-from superinfer.operator.kube import DEPLOYMENTS, PODS
+from superinfer.operator.api import names
+from superinfer.operator.controller.kube_client import DEPLOYMENTS, PODS
 
 pytestmark = [
     pytest.mark.slow,

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 
 from superinfer.engine import contract
-from superinfer.operator import scrape
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.scaling_decision import Memory, Observation, Params, decide
+from superinfer.operator.api.inference_service import InferenceServiceSpec
+from superinfer.operator.autoscaling import pod_metrics
+from superinfer.operator.autoscaling.decision import Memory, Observation, Params, decide
 
 server_module = pytest.importorskip("superinfer.engine.server", reason="awaits the engine")
 config_module = pytest.importorskip("superinfer.engine.config")
@@ -56,15 +56,15 @@ async def complete(http: aiohttp.ClientSession, url: str, slo_class: str, n: int
 
 async def test_each_class_is_held_to_the_targets_its_engine_exports(engine):
     params = Params.from_spec(SPEC)
-    window = scrape.Window(seconds=60)
+    window = pod_metrics.Window(seconds=60)
     metrics_url = engine.url + contract.METRICS_PATH
     async with aiohttp.ClientSession() as http:
-        window.add("pod", scrape.parse(await scrape.fetch(http, metrics_url), now=0, model_name=MODEL))
+        window.add("pod", pod_metrics.parse(await pod_metrics.fetch(http, metrics_url), now=0, model_name=MODEL))
         await complete(http, engine.url, "lax", 4)
-        window.add("pod", scrape.parse(await scrape.fetch(http, metrics_url), now=10, model_name=MODEL))
+        window.add("pod", pod_metrics.parse(await pod_metrics.fetch(http, metrics_url), now=10, model_name=MODEL))
         lax_only = window.stats(now=10, fresh_seconds=30)
         await complete(http, engine.url, "strict", 4)
-        window.add("pod", scrape.parse(await scrape.fetch(http, metrics_url), now=20, model_name=MODEL))
+        window.add("pod", pod_metrics.parse(await pod_metrics.fetch(http, metrics_url), now=20, model_name=MODEL))
         both = window.stats(now=20, fresh_seconds=30)
     memory = Memory(started_at=-1000)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import kmock as km
 
-from superinfer.operator import names
-from superinfer.operator.kube import DEPLOYMENTS, PODS, SERVICES
-from superinfer.operator.reconcile import ISVC
+from superinfer.operator.api import names
+from superinfer.operator.controller.kube_client import DEPLOYMENTS, PODS, SERVICES
+from superinfer.operator.controller.reconcile import ISVC
 from tests.operator.conftest import eventually
 
 DEP, SVC, PDB, POD = "apps/v1/deployments", "v1/services", "policy/v1/poddisruptionbudgets", "v1/pods"

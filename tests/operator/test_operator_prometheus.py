@@ -8,9 +8,9 @@ import aiohttp
 from aiohttp import web
 
 from superinfer.engine import contract
-from superinfer.operator import prom, scrape
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.scaling_decision import Memory, Observation, Params, decide
+from superinfer.operator.api.inference_service import InferenceServiceSpec
+from superinfer.operator.autoscaling import pod_metrics, prometheus_window
+from superinfer.operator.autoscaling.decision import Memory, Observation, Params, decide
 
 
 def vector(value: float, **labels: str) -> dict:
@@ -82,10 +82,10 @@ async def test_window_from_prometheus_feeds_decide():
     runner, url, queries = await serve()
     try:
         async with aiohttp.ClientSession() as session:
-            stats = await prom.window(session, url, "prod", "llama", 120, timeout=5)
+            stats = await prometheus_window.window(session, url, "prod", "llama", 120, timeout=5)
     finally:
         await runner.cleanup()
-    assert len(queries) == len(prom.queries("prod", "llama", 120))
+    assert len(queries) == len(prometheus_window.queries("prod", "llama", 120))
     assert stats is not None and stats.pods == 2 and stats.requests == 100
     assert stats.attainment == 0.6 and stats.ttft_p90_ms == 2500 and stats.tbt_p90_ms == 40
     assert stats.tbt_mean_ms is None  # NaN from 0/0 is "no data"
@@ -120,7 +120,7 @@ async def test_a_source_without_class_labels_or_targets_is_one_default_class():
     runner, url, _ = await serve(answers)
     try:
         async with aiohttp.ClientSession() as session:
-            stats = await prom.window(session, url, "prod", "llama", 120, timeout=5)
+            stats = await prometheus_window.window(session, url, "prod", "llama", 120, timeout=5)
     finally:
         await runner.cleanup()
     assert stats is not None and list(stats.classes) == ["default"]
@@ -136,17 +136,17 @@ async def test_a_source_without_class_labels_or_targets_is_one_default_class():
 
 async def test_unreachable_prometheus_means_no_window():
     async with aiohttp.ClientSession() as session:
-        assert await prom.window(session, "http://127.0.0.1:9", "prod", "llama", 120, timeout=1) is None
-    assert prom.build_stats({"pods": []}, 120) is None
+        assert await prometheus_window.window(session, "http://127.0.0.1:9", "prod", "llama", 120, timeout=1) is None
+    assert prometheus_window.build_stats({"pods": []}, 120) is None
 
 
 def test_queries_and_scrape_read_only_series_and_labels_of_the_engine_contract():
     known = contract.exported_series_names()
     families = (*contract.COUNTERS.values(), *contract.HISTOGRAMS.values(), *contract.GAUGES.values())
     labels = {label for family in families for label in family} | set(contract.SLO_TARGET_LABELS) | {"le"}
-    for expr in prom.queries("prod", "llama", 120).values():
+    for expr in prometheus_window.queries("prod", "llama", 120).values():
         names = set(re.findall(r"\b(superinfer_engine_[a-z_]+)\{", expr))
         assert names and names <= known, expr
         for group in re.findall(r"\bby \(([^)]*)\)", expr):
             assert {g.strip() for g in group.split(",")} <= labels, expr
-    assert set(scrape.USED_SERIES) <= known
+    assert set(pod_metrics.USED_SERIES) <= known

@@ -13,9 +13,9 @@ from superinfer.engine import contract
 from superinfer.engine.cli import build_parser, engine_config
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.slo_classes import SLOClass
-from superinfer.operator import names
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.render import Context, engine_args, merge_overrides, model_argument, render
+from superinfer.operator.api import names
+from superinfer.operator.api.inference_service import InferenceServiceSpec
+from superinfer.operator.controller.render import Context, engine_args, merge_overrides, model_argument, render
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"

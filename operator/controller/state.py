@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from superinfer.engine import contract
-from superinfer.operator import names
-from superinfer.operator.conditions import Cond
-from superinfer.operator.kube import Kube, Login
-from superinfer.operator.latency import LatencyModel
-from superinfer.operator.metrics import OperatorMetrics
-from superinfer.operator.scaling_decision import Memory
-from superinfer.operator.scrape import Window
+from superinfer.operator.api import names
+from superinfer.operator.autoscaling.decision import Memory
+from superinfer.operator.autoscaling.latency_model import LatencyModel
+from superinfer.operator.autoscaling.pod_metrics import Window
+from superinfer.operator.controller.conditions import Cond
+from superinfer.operator.controller.kube_client import Kube, Login
+from superinfer.operator.observability.operator_metrics import OperatorMetrics
 
 
 def pod_metrics_url(pod: Mapping[str, Any]) -> str | None:

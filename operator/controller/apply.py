@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 import kopf
 
-from superinfer.operator import quantity
-from superinfer.operator.kube import BY_KIND, ApiError, Kube
-from superinfer.operator.names import LAST_APPLIED
+from superinfer.operator.api import quantity
+from superinfer.operator.api.names import LAST_APPLIED
+from superinfer.operator.controller.kube_client import BY_KIND, ApiError, Kube
 
 Action = Literal["created", "patched", "unchanged"]
 CONFLICT_RETRIES = 3

@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from superinfer.engine import contract
-from superinfer.operator import quantity
-from superinfer.operator.api import InferenceServiceSpec
+from superinfer.operator.api import quantity
+from superinfer.operator.api.inference_service import InferenceServiceSpec
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Flags the operator renders itself; setting them in engine.args would fight the spec.

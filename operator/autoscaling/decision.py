@@ -21,11 +21,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.conditions import FALSE, TRUE, UNKNOWN, Cond
-from superinfer.operator.latency import LatencyModel, predict_ttft
-from superinfer.operator.pressure import ClassLatency, Targets, class_latencies, over_targets, spec_targets
-from superinfer.operator.scrape import WindowStats
+from superinfer.operator.api.inference_service import InferenceServiceSpec
+from superinfer.operator.autoscaling.class_pressure import (
+    ClassLatency,
+    Targets,
+    class_latencies,
+    over_targets,
+    spec_targets,
+)
+from superinfer.operator.autoscaling.latency_model import LatencyModel, predict_ttft
+from superinfer.operator.autoscaling.pod_metrics import WindowStats
+from superinfer.operator.controller.conditions import FALSE, TRUE, UNKNOWN, Cond
 
 Action = Literal["ScaleUp", "ScaleDown", "Hold"]
 WAITING_PER_REPLICA = 4.0  # queued requests per replica that count as saturation

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from superinfer.engine import contract
-from superinfer.operator import names, quantity
-from superinfer.operator.api import InferenceServiceSpec, SLOClassSpec
+from superinfer.operator.api import names, quantity
+from superinfer.operator.api.inference_service import InferenceServiceSpec, SLOClassSpec
 
 SERVICE_PORT = 80
 MODELS_MOUNT = "/models"

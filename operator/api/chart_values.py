@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from superinfer.operator.api import FreeObject
-from superinfer.operator.rules import KubeModel
+from superinfer.operator.api.cel_rules import KubeModel
+from superinfer.operator.api.inference_service import FreeObject
 
 
 class Image(KubeModel):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from superinfer.operator import names
-from superinfer.operator.api import InferenceServiceSpec, InferenceServiceStatus
-from superinfer.operator.schema import openapi_schema
+from superinfer.operator.api import names
+from superinfer.operator.api.inference_service import InferenceServiceSpec, InferenceServiceStatus
+from superinfer.operator.api.openapi_schema import openapi_schema
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},

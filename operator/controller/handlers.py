@@ -1,4 +1,4 @@
-"""Kopf wiring: which events run which reconciliation. All logic lives in reconcile/scaling_tick."""
+"""Kopf wiring: which events run which reconciliation (the logic: reconcile.py, autoscaling/tick.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from typing import Any
 
 import kopf
 
-from superinfer.operator import names, scaling_tick
-from superinfer.operator.kube import Kube
-from superinfer.operator.reconcile import delete_children, resync, status_changed, sync
-from superinfer.operator.state import Config, State
+from superinfer.operator.api import names
+from superinfer.operator.autoscaling import tick
+from superinfer.operator.controller.kube_client import Kube
+from superinfer.operator.controller.reconcile import delete_children, resync, status_changed, sync
+from superinfer.operator.controller.state import Config, State
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 CHILD_RESOURCES = (
@@ -82,7 +83,7 @@ def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
 
     @kopf.timer(*RESOURCE, interval=config.timer_interval, when=_autoscaling_enabled, registry=registry)
     async def autoscaler(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-        decision = await scaling_tick.tick(state, body, logger)
+        decision = await tick.tick(state, body, logger)
         if decision is not None:
             # Re-read the owner: a /scale write has just changed its spec, and `body` predates it
             # (syncing from `body` could set the Deployment back to the old replica count).

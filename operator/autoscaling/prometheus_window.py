@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from superinfer.engine.contract import SLO_CLASS_LABEL, SLO_TARGET_GAUGE, metric
-from superinfer.operator.scrape import WindowStats, class_stats, ms, pooled, slo_class, slo_shares
+from superinfer.operator.autoscaling.pod_metrics import WindowStats, class_stats, ms, pooled, slo_class, slo_shares
 
 
 def queries(namespace: str, model: str, window_seconds: float) -> dict[str, str]:

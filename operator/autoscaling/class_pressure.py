@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from superinfer.engine.contract import BUILTIN_SLO_CLASSES, DEFAULT_SLO_CLASS
-from superinfer.operator.api import SLOSpec
-from superinfer.operator.scrape import WindowStats
+from superinfer.operator.api.inference_service import SLOSpec
+from superinfer.operator.autoscaling.pod_metrics import WindowStats
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,16 @@ from typing import Any
 import aiohttp
 import kopf
 
-from superinfer.operator import conditions, names, prom, scrape
-from superinfer.operator.api import MAX_SLO_CLASSES, InferenceServiceSpec
-from superinfer.operator.kube import PODS
-from superinfer.operator.reconcile import ISVC, now_iso
-from superinfer.operator.scaling_decision import Decision, Observation, Params, decide, window_classes
-from superinfer.operator.scrape import WindowStats
-from superinfer.operator.state import Scaler, State, pod_metrics_url
-from superinfer.operator.validation import validate
+from superinfer.operator.api import names
+from superinfer.operator.api.inference_service import MAX_SLO_CLASSES, InferenceServiceSpec
+from superinfer.operator.api.validation import validate
+from superinfer.operator.autoscaling import pod_metrics, prometheus_window
+from superinfer.operator.autoscaling.decision import Decision, Observation, Params, decide, window_classes
+from superinfer.operator.autoscaling.pod_metrics import WindowStats
+from superinfer.operator.controller import conditions
+from superinfer.operator.controller.kube_client import PODS
+from superinfer.operator.controller.reconcile import ISVC, now_iso
+from superinfer.operator.controller.state import Scaler, State, pod_metrics_url
 
 HISTORY = 10
 
@@ -33,11 +35,11 @@ async def scrape_pods(
             if url is None:
                 return False
             try:
-                text = await scrape.fetch(session, url, timeout)
+                text = await pod_metrics.fetch(session, url, timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 log.info("scrape of %s failed: %s", url, exc)
                 return False
-            scaler.window.add(pod, scrape.parse(text, now, model_name))
+            scaler.window.add(pod, pod_metrics.parse(text, now, model_name))
             return True
 
         results = await asyncio.gather(*(one(pod, url) for pod, url in urls.items()))
@@ -140,7 +142,7 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
     served = spec.served_model_name(name)
     if spec.autoscaling.prometheus_url:
         async with aiohttp.ClientSession() as session:
-            stats = await prom.window(session, spec.autoscaling.prometheus_url, ns, served,
+            stats = await prometheus_window.window(session, spec.autoscaling.prometheus_url, ns, served,
                                       params.window_seconds, state.config.scrape_timeout)  # fmt: skip
         all_ok = stats is not None
     else:

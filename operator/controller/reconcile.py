@@ -12,14 +12,15 @@ from typing import Any
 
 import kopf
 
-from superinfer.operator import conditions, names
-from superinfer.operator.api import InferenceServiceSpec
-from superinfer.operator.apply import apply
-from superinfer.operator.conditions import Observed
-from superinfer.operator.kube import BY_KIND, DEPLOYMENTS, PODMONITORS, PODS, SERVICES, Res
-from superinfer.operator.render import Context, render, service_url
-from superinfer.operator.state import State
-from superinfer.operator.validation import validate
+from superinfer.operator.api import names
+from superinfer.operator.api.inference_service import InferenceServiceSpec
+from superinfer.operator.api.validation import validate
+from superinfer.operator.controller import conditions
+from superinfer.operator.controller.apply import apply
+from superinfer.operator.controller.conditions import Observed
+from superinfer.operator.controller.kube_client import BY_KIND, DEPLOYMENTS, PODMONITORS, PODS, SERVICES, Res
+from superinfer.operator.controller.render import Context, render, service_url
+from superinfer.operator.controller.state import State
 
 ISVC = Res(names.API_VERSION, names.PLURAL)
 # Status fields that only some specs have; sync() nulls them when they do not apply.

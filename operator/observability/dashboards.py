@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from superinfer.engine.contract import metric
-from superinfer.operator import promql as q
+from superinfer.operator.observability import promql as q
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 OPS_SEL = 'namespace=~"$namespace"'

@@ -17,8 +17,8 @@ from superinfer.engine.contract import (
     DEFAULT_TTFT_SLO_MS,
     SLO_CLASS_NAME_PATTERN,
 )
-from superinfer.operator import quantity
-from superinfer.operator.rules import KubeModel, Rule
+from superinfer.operator.api import quantity
+from superinfer.operator.api.cel_rules import KubeModel, Rule
 
 URI_SCHEMES = ("hf", "pvc", "s3", "preset", "dummy")
 URI_PATTERN = r"^(hf|pvc|s3|preset|dummy)://[^ ]+$"

@@ -1,0 +1,1 @@
+"""The InferenceService API: its models, CEL rules, validation, CRD and chart values."""

@@ -1,0 +1,1 @@
+"""The SLO autoscaler: metrics windows, latency model and the scaling decision."""

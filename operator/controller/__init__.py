@@ -1,0 +1,1 @@
+"""The Kopf controller: handlers, reconciliation, rendering and applying children."""
