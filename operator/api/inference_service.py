@@ -1,6 +1,6 @@
 """The InferenceService API (serving.superinfer.dev/v1alpha1): the single source of its schema.
 
-`schema.py` turns these models into the CRD's structural openAPIV3Schema (and the chart's
+`openapi_schema.py` turns these models into the CRD's structural openAPIV3Schema (and the chart's
 values.schema.json); the class-level `rules` become CEL validations there and pydantic checks here.
 """
 
@@ -20,8 +20,8 @@ from superinfer.engine.contract import (
 from superinfer.operator.api import quantity
 from superinfer.operator.api.cel_rules import KubeModel, Rule
 
-URI_SCHEMES = ("hf", "pvc", "s3", "preset", "dummy")
-URI_PATTERN = r"^(hf|pvc|s3|preset|dummy)://[^ ]+$"
+URI_SCHEMES = ("hf", "pvc", "preset", "dummy")
+URI_PATTERN = r"^(hf|pvc|preset|dummy)://[^ ]+$"
 PVC_URI_PATTERN = r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^ ]+$"
 
 
@@ -66,7 +66,7 @@ class SecretKeyRef(KubeModel):
     name: str = Field(min_length=1)
     """Name of a Secret in the InferenceService's namespace."""
     key: str = "token"
-    """Key in the Secret holding the token (for hf:// models: a Hugging Face token)."""
+    """Key in the Secret holding the value."""
 
 
 class ModelCache(KubeModel):
@@ -78,20 +78,21 @@ class ModelCache(KubeModel):
 
 class ModelSpec(KubeModel):
     uri: str
-    """Where the weights come from: hf://org/name, pvc://<claim>/<path>, s3://bucket/path,
-    preset://tiny (built-in demo model), or dummy://<preset> (random weights of a real shape)."""
+    """Where the weights come from: hf://org/name (downloaded once into model.cache, or into each
+    pod), pvc://<claim>/<path> (a folder on a claim), preset://tiny (built-in demo model), or
+    dummy://<preset> (random weights of a real shape)."""
     name: str | None = None
     """The model name clients send in requests (default: the InferenceService's name)."""
     revision: str = ""
-    """A Hugging Face revision (branch, tag or commit)."""
+    """A Hugging Face revision (branch, tag or commit; pin a commit for reproducible rollouts)."""
     credentials_secret_ref: SecretKeyRef | None = None
-    """Secret with the token used to download the model."""
+    """Secret with the Hugging Face token used to download the model (gated or private repos)."""
     cache: ModelCache | None = None
 
     rules = (
         Rule(
             cel=f"self.uri.matches('{URI_PATTERN}')",
-            message="model.uri must start with one of hf://, pvc://, s3://, preset://, dummy:// "
+            message="model.uri must start with one of hf://, pvc://, preset://, dummy:// "
             "(for example preset://tiny or hf://meta-llama/Llama-3.1-8B-Instruct)",
             check=lambda m: re.match(URI_PATTERN, m.uri) is not None,
             field_path=".uri",
@@ -129,6 +130,9 @@ class EngineSpec(KubeModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     args: list[str] = Field(default_factory=list)
     """Extra `superinfer serve` flags, appended after the rendered ones."""
+    api_key_secret_ref: SecretKeyRef | None = None
+    """Secret with the API key clients must send (Authorization: Bearer <key>) on /v1 routes; the
+    engine reads it from its environment, so it never appears in the resource or the pod's args."""
     env: list[EnvVar] = Field(default_factory=list)
     dtype: str | None = None
     max_model_len: int = Field(default=8192, gt=0)
@@ -290,8 +294,9 @@ class InferenceServiceSpec(KubeModel):
     kv_cache: KVCacheSpec = _sub(KVCacheSpec)
     resources: ResourcesSpec = _sub(ResourcesSpec)
     scheduling: SchedulingSpec = _sub(SchedulingSpec)
-    replicas: int | None = Field(default=None, ge=0)
-    """Fixed replica count; with autoscaling enabled it is the autoscaler's, written via /scale."""
+    replicas: int = Field(default=1, ge=0)
+    """Replica count, also served on the /scale subresource (kubectl scale, HPA, KEDA). With
+    autoscaling enabled the SLO autoscaler writes it, kept within [minReplicas, maxReplicas]."""
     autoscaling: AutoscalingSpec = _sub(AutoscalingSpec)
     rollout: RolloutSpec = _sub(RolloutSpec)
     drain: DrainSpec = _sub(DrainSpec)
@@ -299,29 +304,14 @@ class InferenceServiceSpec(KubeModel):
     template: FreeObject = Field(default_factory=dict)
     """PodSpec fields merged last over the rendered pod spec (escape hatch)."""
 
-    rules = (
-        Rule(
-            cel="!has(self.replicas) || !has(self.autoscaling) || !self.autoscaling.enabled || "
-            "(self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
-            message="replicas and autoscaling.enabled are exclusive: remove spec.replicas (the autoscaler "
-            "sets it through /scale, within [minReplicas, maxReplicas]) or disable autoscaling",
-            check=lambda s: (
-                s.replicas is None
-                or not s.autoscaling.enabled
-                or s.autoscaling.min_replicas <= s.replicas <= s.autoscaling.max_replicas
-            ),
-            field_path=".replicas",
-        ),
-    )
-
     def served_model_name(self, resource_name: str) -> str:
         return self.model.name or resource_name
 
     def effective_replicas(self) -> int:
-        """Replicas the Deployment should have now."""
-        if self.replicas is not None:
+        """Replicas the Deployment should have now: spec.replicas, within the autoscaler's bounds."""
+        if not self.autoscaling.enabled:
             return self.replicas
-        return self.autoscaling.min_replicas if self.autoscaling.enabled else 1
+        return max(self.autoscaling.min_replicas, min(self.autoscaling.max_replicas, self.replicas))
 
     def grace_period_seconds(self) -> int:
         return self.drain.pre_stop_seconds + self.drain.shutdown_timeout_seconds + 5

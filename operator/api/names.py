@@ -29,6 +29,7 @@ LAST_APPLIED = f"{GROUP}/last-applied"
 
 # Things the engine containers are told.
 CONTAINER_NAME = "engine"
+DOWNLOAD_CONTAINER_NAME = "download"
 PORT_NAME = "http"
 METRICS_PORT_NAME = "http"
 

@@ -86,7 +86,12 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[str]:
         flag = arg.split("=", 1)[0]
         if not flag.startswith("--"):
             continue
-        if flag in RENDERED_FLAGS:
+        if flag == "--api-key":
+            problems.append(
+                "engine.args must not set --api-key: it would sit in plain text in the resource and the pod; "
+                "put the key in a Secret and set engine.apiKeySecretRef"
+            )
+        elif flag in RENDERED_FLAGS:
             problems.append(f"engine.args must not set {flag}: the operator renders it from the spec")
         elif flag == "--slo-classes" and spec.slo.classes is not None:
             problems.append("engine.args must not set --slo-classes when slo.classes is set: keep one of them")

@@ -13,7 +13,7 @@ from typing import Any
 
 from superinfer.engine import contract
 from superinfer.operator.api import names, quantity
-from superinfer.operator.api.inference_service import InferenceServiceSpec, SLOClassSpec
+from superinfer.operator.api.inference_service import InferenceServiceSpec, SecretKeyRef, SLOClassSpec
 
 SERVICE_PORT = 80
 MODELS_MOUNT = "/models"
@@ -49,22 +49,28 @@ def _meta(ctx: Context, extra_labels: dict[str, str] | None = None) -> dict[str,
 # ---- engine command line --------------------------------------------------------------------
 
 
-def model_argument(uri: str) -> str:
-    """What `superinfer serve --model` gets for a model URI."""
+def model_argument(uri: str, revision: str = "") -> str:
+    """What `superinfer serve --model` (and `superinfer download --model`) gets for a model URI."""
     scheme, _, rest = uri.partition("://")
     if scheme in ("preset", "dummy"):
         return rest
     if scheme == "pvc":
         _claim, _, path = rest.partition("/")
         return f"{MODELS_MOUNT}/{path}"
-    return uri  # hf:// and s3:// are resolved by the engine (from the cache at /models)
+    # hf://org/name[@revision]: the init container downloads it into the HF cache under /models.
+    return f"{uri}@{revision}" if revision and "@" not in rest else uri
+
+
+def downloads(spec: InferenceServiceSpec) -> bool:
+    """Whether pods fetch the model from the Hub before the engine starts."""
+    return spec.model.uri.startswith("hf://")
 
 
 def engine_args(ctx: Context, spec: InferenceServiceSpec) -> list[str]:
     engine, slo = spec.engine, spec.slo
     args = [
         "--model",
-        model_argument(spec.model.uri),
+        model_argument(spec.model.uri, spec.model.revision),
         "--served-model-name",
         spec.served_model_name(ctx.name),
         "--host",
@@ -131,21 +137,57 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
+def _from_secret(var: str, ref: SecretKeyRef) -> dict[str, Any]:
+    return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def base_env() -> list[dict[str, Any]]:
+    """What both the engine and the download step need: writable homes and the HF cache location."""
+    return [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
-        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"},
         {"name": "HF_HOME", "value": f"{MODELS_MOUNT}/.hf"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
-    if spec.model.revision:
-        env.append({"name": "HF_REVISION", "value": spec.model.revision})
-    ref = spec.model.credentials_secret_ref
-    if ref is not None:
-        token_var = "AWS_SESSION_TOKEN" if spec.model.uri.startswith("s3://") else "HF_TOKEN"
-        env.append({"name": token_var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+
+
+def engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env = [*base_env(), {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"}]
+    if downloads(spec):
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # the init container has downloaded it
+    if spec.engine.api_key_secret_ref is not None:
+        env.append(_from_secret(contract.API_KEY_ENV, spec.engine.api_key_secret_ref))
     return env + [item.model_dump(exclude_none=True) for item in spec.engine.env]
+
+
+def download_container(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The init container that puts an hf:// model into the HF cache on the models volume (once per
+    claim when model.cache is set: replicas then find it there and download nothing)."""
+    env = base_env()
+    if spec.model.credentials_secret_ref is not None:
+        env.append(_from_secret("HF_TOKEN", spec.model.credentials_secret_ref))
+    container: dict[str, Any] = {
+        "name": names.DOWNLOAD_CONTAINER_NAME,
+        "image": spec.engine.image or ctx.default_image,
+        "command": ["superinfer", "download"],
+        "args": ["--model", model_argument(spec.model.uri, spec.model.revision)],
+        "env": env,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "securityContext": container_security(),
+        "volumeMounts": [*model_mounts(spec), {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if spec.engine.image_pull_policy:
+        container["imagePullPolicy"] = spec.engine.image_pull_policy
+    return container
+
+
+def model_mounts(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    mount: dict[str, Any] = {"name": "models", "mountPath": MODELS_MOUNT}
+    if spec.model.cache and spec.model.cache.sub_path:
+        mount["subPath"] = spec.model.cache.sub_path
+    if spec.model.uri.startswith("pvc://"):
+        mount["readOnly"] = True
+    return [mount]
 
 
 # ---- pod ------------------------------------------------------------------------------------
@@ -213,15 +255,11 @@ def engine_container(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any]
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "models", "mountPath": MODELS_MOUNT},
+            *model_mounts(spec),
         ],
     }
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
-    if spec.model.cache and spec.model.cache.sub_path:
-        container["volumeMounts"][2]["subPath"] = spec.model.cache.sub_path
-    if spec.model.uri.startswith("pvc://"):
-        container["volumeMounts"][2]["readOnly"] = True
     return container
 
 
@@ -276,6 +314,7 @@ def pod_spec(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any]:
         "terminationGracePeriodSeconds": spec.grace_period_seconds(),
         "securityContext": pod_security(),
         **placement(spec),
+        **({"initContainers": [download_container(ctx, spec)]} if downloads(spec) else {}),
         "containers": [engine_container(ctx, spec)],
         "volumes": volumes(spec),
     }

@@ -4,6 +4,7 @@ with clear messages by all three validators (pydantic, the structural schema, an
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import celpy
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from superinfer.operator import generate
-from superinfer.operator.api import names
+from superinfer.operator.api import names, quantity
 from superinfer.operator.api.crd import build_crd
 from superinfer.operator.api.inference_service import InferenceService, InferenceServiceSpec
 from superinfer.operator.api.openapi_schema import structural_problems
@@ -84,7 +85,6 @@ INVALID = [
     ({"slo": {"ttftMs": 0}}, "spec.slo.ttftMs: Input should be greater than 0"),
     ({"slo": {"attainmentTarget": 1.5}}, "spec.slo.attainmentTarget: Input should be less than or equal to 1"),
     ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas must not exceed"),
-    ({"replicas": 9, "autoscaling": {"enabled": True, "maxReplicas": 4}}, "replicas and autoscaling.enabled"),
     ({"scheduling": {"gpuProduct": "NVIDIA-GH200-480GB", "arch": "amd64"}}, "GH200 nodes are arm64"),
     ({"resources": {"memory": "lots"}}, "not a Kubernetes quantity"),
     ({"engine": {"policy": "lifo"}}, "spec.engine.policy"),
@@ -102,6 +102,10 @@ INVALID = [
         {"slo": {"classes": {"gold": {"ttftMs": 1, "tbtMs": 1}}}, "engine": {"args": ["--slo-classes={}"]}},
         "must not set --slo-classes when slo.classes is set",
     ),
+    ({"model": {"uri": "s3://bucket/llama"}}, "model.uri must start with one of hf://, pvc://, preset://"),
+    ({"resources": {"memory": "-1Gi"}}, "must not be negative"),
+    ({"engine": {"args": ["--api-key=sk-123"]}}, "set engine.apiKeySecretRef"),
+    ({"replicas": -1}, "spec.replicas: Input should be greater than or equal to 0"),
 ]
 
 
@@ -143,7 +147,7 @@ def _at(obj: dict, path: str):
     return obj
 
 
-@pytest.mark.parametrize(("patch", "message"), [*INVALID[:2], *INVALID[4:7], ({}, None)])
+@pytest.mark.parametrize(("patch", "message"), [*INVALID[:2], *INVALID[4:6], ({}, None)])
 def test_cel_rules_agree_with_python(patch, message):
     """Each CEL rule, evaluated on the defaulted object as the API server would, fails exactly
     where the Python twin does (and with the same message)."""
@@ -233,3 +237,22 @@ def test_class_name_cel_rules_agree_with_python(names, message):
         cond = conditions.validated(outcome.problems)  # what the status shows when the CEL was bypassed
         assert (cond.type, cond.status, cond.reason) == ("Validated", "False", "InvalidSpec")
         assert failed[0] in cond.message
+
+
+@pytest.mark.parametrize(("text", "value"), [("1E", 10**18), ("1Ei", 2**60), ("500m", 0.5), ("96Gi", 96 * 2**30),
+                                             ("1e3", 1000), (8, 8), ("+2k", 2000)])  # fmt: skip
+def test_quantities_parse_as_the_api_server_does(text, value):
+    assert quantity.parse(text) == pytest.approx(value)
+    assert re.match(quantity.PATTERN, str(text))
+
+
+def test_negative_and_malformed_quantities_are_refused_by_the_pattern_too():
+    for text in ("-1Gi", "1.5.5", "Gi", "1 Gi"):
+        assert not re.match(quantity.PATTERN, text), text
+
+
+def test_replicas_default_so_the_scale_subresource_always_reads():
+    replicas = crd_schema()["properties"]["spec"]["properties"]["replicas"]
+    assert replicas["default"] == 1
+    spec = validate("svc", {**BASE, "replicas": 9, "autoscaling": {"enabled": True, "maxReplicas": 4}}).spec
+    assert spec is not None and spec.effective_replicas() == 4  # the autoscaler's bounds hold

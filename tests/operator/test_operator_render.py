@@ -131,10 +131,52 @@ def test_engine_flags_follow_the_contract():
 @pytest.mark.parametrize(
     ("uri", "arg"),
     [("preset://tiny", "tiny"), ("dummy://llama-3-8b", "llama-3-8b"), ("pvc://models/llama/8b", "/models/llama/8b"),
-     ("hf://org/model", "hf://org/model"), ("s3://bucket/m", "s3://bucket/m")],
+     ("hf://org/model", "hf://org/model")],
 )  # fmt: skip
 def test_model_argument(uri, arg):
     assert model_argument(uri) == arg
+
+
+def test_revision_pins_the_hf_model_in_both_steps():
+    assert model_argument("hf://org/model", "abc123") == "hf://org/model@abc123"
+    assert model_argument("hf://org/model@v2", "abc123") == "hf://org/model@v2"  # the uri's own pin wins
+
+
+def test_hf_models_download_once_in_an_init_container_into_the_shared_cache():
+    _, spec = example("llama3-8b-gh200.yaml")
+    pod = by_kind(render(Context("llama3-8b", "ns", "img:1"), spec))["Deployment"]["spec"]["template"]["spec"]
+    [init] = pod["initContainers"]
+    engine_container = pod["containers"][0]
+    assert init["command"] == ["superinfer", "download"] and init["image"] == engine_container["image"]
+    assert init["args"] == ["--model", "hf://meta-llama/Llama-3.1-8B-Instruct"]
+    cache_mount = {"name": "models", "mountPath": "/models", "subPath": "hf"}
+    assert cache_mount in init["volumeMounts"] and cache_mount in engine_container["volumeMounts"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in pod["volumes"]
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    assert token in init["env"] and token not in engine_container["env"]  # only the download needs it
+    env = {e["name"]: e.get("value") for e in engine_container["env"]}
+    init_env = {e["name"]: e.get("value") for e in init["env"]}
+    assert env["HF_HOME"] == init_env["HF_HOME"] and env["HF_HUB_OFFLINE"] == "1"
+    kubernetes_validate.validate(by_kind(render(Context("llama3-8b", "ns"), spec))["Deployment"], "1.33", strict=True)
+
+
+def test_other_model_sources_have_no_download_step():
+    for uri in ("preset://tiny", "dummy://llama-3-8b", "pvc://weights/llama"):
+        spec = InferenceServiceSpec.model_validate({"model": {"uri": uri}})
+        pod = by_kind(render(Context("t", "ns"), spec))["Deployment"]["spec"]["template"]["spec"]
+        assert "initContainers" not in pod
+        assert "HF_HUB_OFFLINE" not in {e["name"] for e in pod["containers"][0]["env"]}
+
+
+def test_api_key_comes_from_a_secret_and_never_appears_in_args():
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"uri": "preset://tiny"}, "engine": {"apiKeySecretRef": {"name": "keys", "key": "engine"}}}
+    )
+    container = engine(render(Context("t", "ns"), spec))
+    assert {"name": contract.API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": "keys", "key": "engine"}}} in (
+        container["env"]
+    )
+    assert not any("key" in arg.lower() for arg in container["args"])
 
 
 def test_pvc_model_mounts_the_claim_read_only():
