@@ -380,11 +380,28 @@ class ScalingDecision(KubeModel):
     applied: bool = False
 
 
+class LatencySample(KubeModel):
+    batch: float
+    """Running requests per replica."""
+    tbt_seconds: float
+    """Mean time between tokens at that batch."""
+
+
 class AutoscalerStatus(KubeModel):
+    """The autoscaler's decisions and its memory: it resumes from here after an operator restart."""
+
     last_decision: ScalingDecision | None = None
     last_scale_time: str | None = None
     healthy_since: str | None = None
     history: list[ScalingDecision] = Field(default_factory=list, max_length=10)
+    started_at: str | None = None
+    """When the autoscaler first saw this service (initialDelaySeconds counts from here)."""
+    applied_replicas: int | None = None
+    """spec.replicas as the autoscaler last wrote it; a different value means another writer."""
+    external_write_time: str | None = None
+    """When another writer (kubectl scale, HPA, KEDA) last changed spec.replicas."""
+    latency_samples: list[LatencySample] = Field(default_factory=list, max_length=64)
+    """(batch, TBT) points of the latency model used to predict consolidation."""
 
 
 class InferenceServiceStatus(KubeModel):

@@ -1,6 +1,8 @@
 """The SLO autoscaler's decision: a pure function of what was observed and what was done before.
 
 Order of the rules (first match wins):
+0. replicas changed by another writer (kubectl scale, an HPA, KEDA) in Active mode → hold and say so
+   (ScalingReady=False) until no such write has been seen for stabilizationSeconds;
 1. bounds changed → clamp to [min, max];
 2. initial delay, missing/stale metrics → hold (MetricsAvailable=False);
 3. pods pending → hold (never stack scale-ups); unschedulable → hold, InsufficientCapacity;
@@ -94,11 +96,13 @@ class Observation:
 
 @dataclass(frozen=True)
 class Memory:
-    """What the autoscaler remembers between ticks (kept by the caller)."""
+    """What the autoscaler remembers between ticks (kept by the caller, persisted in status)."""
 
     started_at: float
     last_scale_at: float | None = None
     healthy_since: float | None = None
+    applied_replicas: int | None = None  # what the autoscaler last wrote (or adopted) as spec.replicas
+    external_write_at: float | None = None  # when another writer last changed spec.replicas
 
 
 @dataclass(frozen=True)
@@ -221,10 +225,31 @@ def _slo_cond(s: WindowStats | None, p: Params) -> Cond:
     return Cond("SLOMet", FALSE, "Missed", f"attainment {s.attainment:.3f} < target {p.target}")
 
 
+EXTERNAL_WRITER_HINT = (
+    "with autoscaling.mode Active the SLO autoscaler owns spec.replicas: remove the other autoscaler "
+    "(HPA, KEDA) or set autoscaling.mode to Advisory"
+)
+
+
+def note_external_writes(n: int, p: Params, mem: Memory, now: float) -> tuple[Memory, str]:
+    """Memory with what the autoscaler wrote last and when another writer changed replicas since;
+    with a message while that other writer counts as active (Active mode only)."""
+    if p.advisory:
+        return mem, ""
+    if mem.applied_replicas is not None and n != mem.applied_replicas:
+        changed = replace(mem, applied_replicas=n, external_write_at=now)
+        return changed, f"spec.replicas changed from {mem.applied_replicas} to {n} by another writer"
+    mem = replace(mem, applied_replicas=n)
+    if mem.external_write_at is not None and now - mem.external_write_at < p.stabilization_seconds:
+        return mem, f"spec.replicas was changed by another writer {now - mem.external_write_at:.0f}s ago"
+    return mem, ""
+
+
 def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None = None) -> Decision:
     model = model or LatencyModel()
     n = obs.replicas
     s = obs.stats
+    mem, external = note_external_writes(n, p, mem, obs.now)
     metrics_ok = s is not None and obs.fresh
     metrics = (
         Cond("MetricsAvailable", TRUE, "Scraped", f"metrics from {s.pods} pod(s)")
@@ -240,9 +265,13 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
         scaling = scaling or Cond("ScalingReady", TRUE, mode, f"{mode}: {message}")
         applies = action != "Hold" and not p.advisory
         if applies:
-            memory = replace(memory, last_scale_at=obs.now)
+            memory = replace(memory, last_scale_at=obs.now, applied_replicas=target)
         return Decision(action, target, reason, message, metrics, scaling, slo, memory, applies)
 
+    # 0. Another writer.
+    if external:
+        msg = f"{external}; {EXTERNAL_WRITER_HINT}"
+        return out("Hold", n, "ExternalWriter", msg, scaling=Cond("ScalingReady", FALSE, "ExternalWriter", msg))
     # 1. Bounds.
     if n != _clamp(n, p):
         target = _clamp(n, p)

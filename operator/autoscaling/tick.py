@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -14,11 +15,13 @@ from superinfer.operator.api import names
 from superinfer.operator.api.inference_service import MAX_SLO_CLASSES, InferenceServiceSpec
 from superinfer.operator.api.validation import validate
 from superinfer.operator.autoscaling import pod_metrics, prometheus_window
-from superinfer.operator.autoscaling.decision import Decision, Observation, Params, decide, window_classes
+from superinfer.operator.autoscaling.decision import Decision, Memory, Observation, Params, decide, window_classes
+from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import WindowStats
 from superinfer.operator.controller import conditions
-from superinfer.operator.controller.kube_client import PODS
-from superinfer.operator.controller.reconcile import ISVC, now_iso
+from superinfer.operator.controller.conditions import FALSE, Cond
+from superinfer.operator.controller.kube_client import PODS, ApiError
+from superinfer.operator.controller.reconcile import ISVC, now_iso, parse_iso
 from superinfer.operator.controller.state import Scaler, State, pod_metrics_url
 
 HISTORY = 10
@@ -53,7 +56,7 @@ def observation(spec: InferenceServiceSpec, pods: list[Mapping[str, Any]], stats
     unschedulable = [p for p in live if conditions.unschedulable_message(p)]
     return Observation(
         now=now,
-        replicas=spec.effective_replicas(),
+        replicas=spec.replicas,  # as written (rule 1 of decide() brings it within bounds)
         ready=len(ready),
         pending=len(live) - len(ready),
         unschedulable=len(unschedulable),
@@ -96,11 +99,7 @@ def record(
     history = list(scaler.status.get("history", []))
     if decision.action != "Hold":
         history = [*history, entry][-HISTORY:]
-    scaler.status = {"lastDecision": entry, "history": history}
-    if decision.memory.last_scale_at is not None:
-        scaler.status["lastScaleTime"] = now_iso(decision.memory.last_scale_at)
-    if decision.memory.healthy_since is not None:
-        scaler.status["healthySince"] = now_iso(decision.memory.healthy_since)
+    scaler.status = {"lastDecision": entry, "history": history, **memory_status(decision.memory, scaler.model)}
     scaler.metrics, scaler.scaling, scaler.slo = decision.metrics, decision.scaling, decision.slo
     scaler.memory = decision.memory
     scaler.desired = decision.target
@@ -119,6 +118,70 @@ def record(
         }
 
 
+async def write_scale(state: State, ns: str, name: str, expected: int, target: int) -> str:
+    """Set spec.replicas through /scale, only if it still is `expected` (resourceVersion precondition);
+    the reason it was not written, or "" when it was."""
+    try:
+        scale = await state.kube.get(ISVC, ns, name, sub="scale")
+        if scale is None:
+            return "the InferenceService is gone"
+        current = (scale.get("spec") or {}).get("replicas", InferenceServiceSpec.model_fields["replicas"].default)
+        if current != expected:
+            return f"spec.replicas changed to {current} while deciding; not writing {target}"
+        version = scale.get("metadata", {}).get("resourceVersion")
+        await state.kube.patch(
+            ISVC, ns, name, {"metadata": {"resourceVersion": version}, "spec": {"replicas": target}}, sub="scale"
+        )
+    except ApiError as exc:
+        if exc.status == 409:
+            return f"another writer changed the InferenceService while scaling to {target}; retrying next tick"
+        return f"writing {target} replicas through /scale failed: {exc}"
+    return ""
+
+
+def unapplied(decision: Decision, failure: str, before: Memory, replicas: int) -> Decision:
+    """The decision as it stands when its /scale write did not happen: not applied, no cooldown."""
+    memory = replace(decision.memory, last_scale_at=before.last_scale_at, applied_replicas=replicas)
+    scaling = Cond("ScalingReady", FALSE, "ScaleWriteFailed", failure)
+    return replace(decision, apply=False, memory=memory, scaling=scaling, message=f"{decision.message} ({failure})")
+
+
+def memory_status(memory: Memory, model: LatencyModel) -> dict[str, Any]:
+    """What the autoscaler must not forget across operator restarts, as status.autoscaler fields."""
+    out: dict[str, Any] = {"startedAt": now_iso(memory.started_at)}
+    if memory.last_scale_at is not None:
+        out["lastScaleTime"] = now_iso(memory.last_scale_at)
+    if memory.healthy_since is not None:
+        out["healthySince"] = now_iso(memory.healthy_since)
+    if memory.applied_replicas is not None:
+        out["appliedReplicas"] = memory.applied_replicas
+    if memory.external_write_at is not None:
+        out["externalWriteTime"] = now_iso(memory.external_write_at)
+    if model.points:
+        out["latencySamples"] = [{"batch": round(b, 3), "tbtSeconds": round(s, 6)} for b, s in model.points]
+    return out
+
+
+def restore(scaler: Scaler, saved: Mapping[str, Any]) -> None:
+    """Reload history, cooldown, stabilization and the latency model from status.autoscaler."""
+    if not saved:
+        return
+
+    def when(key: str) -> float | None:
+        return parse_iso(saved[key]) if saved.get(key) else None
+
+    scaler.memory = Memory(
+        started_at=when("startedAt") or scaler.memory.started_at,
+        last_scale_at=when("lastScaleTime"),
+        healthy_since=when("healthySince"),
+        applied_replicas=saved.get("appliedReplicas"),
+        external_write_at=when("externalWriteTime"),
+    )
+    for sample in saved.get("latencySamples") or []:
+        scaler.model.observe(float(sample["batch"]), float(sample["tbtSeconds"]))
+    scaler.status = {k: v for k, v in saved.items() if k in ("lastDecision", "history")}
+
+
 def _round(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -134,6 +197,8 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
     params = Params.from_spec(spec)
     now = state.config.clock()
     scaler = state.scaler((ns, name), params.window_seconds)
+    if scaler.status == {}:  # first tick since the operator started: continue from what status remembers
+        restore(scaler, (owner.get("status") or {}).get("autoscaler") or {})
     if scaler.last_eval and now - scaler.last_eval < params.interval_seconds - 0.5:
         return None
     scaler.last_eval = now
@@ -152,6 +217,11 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
         scaler.model.observe(stats.running / max(len(ready), 1), stats.tbt_mean_ms / 1000)
     obs = observation(spec, pods, stats, all_ok, now)
     decision = decide(obs, params, scaler.memory, scaler.model)
+    if decision.apply:
+        failure = await write_scale(state, ns, name, obs.replicas, decision.target)
+        if failure:
+            log.warning("autoscaler %s/%s: %s", ns, name, failure)
+            decision = unapplied(decision, failure, scaler.memory, obs.replicas)
     record(scaler, decision, now, obs.replicas, stats, params)
     state.metrics.desired_replicas.labels(ns, name).set(decision.target)
     if stats is not None and stats.attainment is not None:
@@ -160,7 +230,6 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
         direction = "up" if decision.action == "ScaleUp" else "down"
         state.metrics.decisions.labels(ns, name, direction, decision.reason).inc()
     if decision.apply:
-        await state.kube.patch(ISVC, ns, name, {"spec": {"replicas": decision.target}}, sub="scale")
         kopf.info(owner, reason=decision.action, message=f"{obs.replicas} → {decision.target}: {decision.message}")
     elif decision.action != "Hold":
         kopf.info(owner, reason="ScaleRecommended", message=f"Advisory: {decision.message}")

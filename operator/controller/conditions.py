@@ -44,6 +44,7 @@ class Observed:
     metrics: Cond | None = None  # MetricsAvailable, from the autoscaler
     scaling: Cond | None = None  # ScalingReady, from the autoscaler
     slo: Cond | None = None  # SLOMet, from the autoscaler
+    rejected: str = ""  # why the API server refused a rendered child
     extra: list[Cond] = field(default_factory=list)
 
 
@@ -127,6 +128,8 @@ def model_ready(obs: Observed) -> Cond | None:
 
 
 def workload_ready(obs: Observed) -> Cond:
+    if obs.rejected:
+        return Cond("WorkloadReady", FALSE, "ChildRejected", obs.rejected)
     if obs.deployment is None:
         return Cond("WorkloadReady", FALSE, "Creating", "the Deployment does not exist yet")
     status = obs.deployment.get("status", {}) or {}

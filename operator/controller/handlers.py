@@ -1,7 +1,15 @@
-"""Kopf wiring: which events run which reconciliation (the logic: reconcile.py, autoscaling/tick.py)."""
+"""Kopf wiring: which events run which reconciliation (the logic: reconcile.py, autoscaling/tick.py).
+
+No handler needs a finalizer: children carry owner references, so the cluster's garbage collector
+deletes them with their InferenceService, and nothing blocks deleting one after `helm uninstall`.
+The autoscaler is one loop over the services that enable it rather than a Kopf timer (a timer would
+put a finalizer on each of them).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -10,7 +18,7 @@ import kopf
 from superinfer.operator.api import names
 from superinfer.operator.autoscaling import tick
 from superinfer.operator.controller.kube_client import Kube
-from superinfer.operator.controller.reconcile import delete_children, resync, status_changed, sync
+from superinfer.operator.controller.reconcile import resync
 from superinfer.operator.controller.state import Config, State
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
@@ -19,36 +27,67 @@ CHILD_RESOURCES = (
     ("", "v1", "services"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("monitoring.coreos.com", "v1", "podmonitors"),
+    ("", "v1", "pods"),
 )
-OURS = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_SERVICE: kopf.PRESENT}
+# Children and engine pods, selected by the API server (not filtered after a cluster-wide watch).
+CHILD_SELECTOR = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY},{names.LABEL_SERVICE}"
+log = logging.getLogger("superinfer.operator")
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
-    """Branded persistence: finalizer, progress and diff-base annotations under our group."""
+    """Branded persistence annotations; server-side label selectors on every child watch."""
+    # Kopf removes this finalizer from resources that an older operator version put it on.
     settings.persistence.finalizer = names.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=names.ANNOTATION_PREFIX, key="last-handled-configuration"
     )
+    for group, _version, plural in CHILD_RESOURCES:
+        settings.watching.label_selectors[group, plural] = CHILD_SELECTOR
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
 
 
-def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
-    return bool((spec.get("autoscaling") or {}).get("enabled"))
+def _key(body: kopf.Body) -> tuple[str, str]:
+    return body.metadata.namespace or "", body.metadata.name or ""
+
+
+async def run_autoscalers(state: State) -> None:
+    """Every timer interval, tick each autoscaled service (each evaluates at its own interval)."""
+    while True:
+        await asyncio.sleep(state.config.timer_interval)
+        await asyncio.gather(*(autoscale(state, key) for key in list(state.autoscaled)))
+
+
+async def autoscale(state: State, key: tuple[str, str]) -> None:
+    body = state.autoscaled.get(key)
+    if body is None:
+        return
+    try:
+        decision = await tick.tick(state, body, log)
+        if decision is not None:
+            await resync(state, *key)  # status carries the decision; a /scale write changed the spec
+    except Exception:  # one service's failure must not stop the others' autoscaling
+        log.exception("autoscaler tick for %s/%s failed", *key)
 
 
 def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
     registry = kopf.OperatorRegistry()
     state = State(config=config, kube=Kube(config.login))
+    background: set[asyncio.Task[None]] = set()
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings)
+        background.add(asyncio.create_task(run_autoscalers(state), name="superinfer-autoscalers"))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await state.kube.close()
 
     @kopf.on.login(registry=registry)
@@ -62,39 +101,32 @@ def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
     @kopf.on.resume(*RESOURCE, registry=registry)
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, registry=registry)
-    async def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        key = (body.metadata.namespace or "", body.metadata.name or "")
-        async with state.locks[key]:
-            try:
-                status = await sync(state, body)
-            except Exception:
-                state.metrics.reconcile_errors.labels(*key).inc()
-                raise
-        if status_changed(body.get("status"), status):
-            patch.status.update(status)
+    async def reconcile(body: kopf.Body, **_: Any) -> None:
+        key = _key(body)
+        try:
+            rejected = await resync(state, *key)
+        except Exception:
+            state.metrics.reconcile_errors.labels(*key).inc()
+            raise
+        if rejected:  # status says what to fix; retrying the same spec cannot succeed
+            state.metrics.reconcile_errors.labels(*key).inc()
+            raise kopf.PermanentError(rejected)
 
-    @kopf.on.delete(*RESOURCE, registry=registry)
-    async def delete(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-        key = (body.metadata.namespace or "", body.metadata.name or "")
-        async with state.locks[key]:  # no resync may write the owner while it is being released
-            deleted = await delete_children(state, body)
-        logger.info("deleted children: %s", ", ".join(deleted) or "none")
-        state.forget(key)
+    @kopf.on.event(*RESOURCE, registry=registry)
+    async def track(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+        key = _key(body)
+        if event.get("type") == "DELETED":
+            state.forget(key)
+        elif (body.spec.get("autoscaling") or {}).get("enabled"):
+            state.autoscaled[key] = body
+        else:
+            state.autoscaled.pop(key, None)
 
-    @kopf.timer(*RESOURCE, interval=config.timer_interval, when=_autoscaling_enabled, registry=registry)
-    async def autoscaler(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-        decision = await tick.tick(state, body, logger)
-        if decision is not None:
-            # Re-read the owner: a /scale write has just changed its spec, and `body` predates it
-            # (syncing from `body` could set the Deployment back to the old replica count).
-            await resync(state, body.metadata.namespace or "", body.metadata.name or "")
-
-    async def child_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+    async def child_event(body: kopf.Body, **_: Any) -> None:
         owner = (body.metadata.labels or {}).get(names.LABEL_SERVICE)
         if owner and body.metadata.namespace:
             await resync(state, body.metadata.namespace, owner)
 
     for group, version, plural in CHILD_RESOURCES:
-        kopf.on.event(group, version, plural, labels=OURS, id=f"child-{plural}", registry=registry)(child_event)
-    kopf.on.event("", "v1", "pods", labels=OURS, id="engine-pods", registry=registry)(child_event)
+        kopf.on.event(group, version, plural, id=f"child-{plural}", registry=registry)(child_event)
     return registry, state

@@ -1,7 +1,9 @@
 """One reconciliation: validate, render, adopt, apply children, observe, compute status.
 
-`sync()` is what every trigger runs (the resource's own create/update/resume handlers, events of
-its children and pods, the autoscaler timer); it is idempotent and serialised per resource.
+`resync()` is what every trigger runs (the resource's own create/update/resume handlers, events of
+its children and pods, the autoscaler): it reads the resource, runs `sync()` (idempotent) and is
+the one writer of its status, serialised per resource, with the resourceVersion it read as a
+precondition (a concurrent writer makes it read again and recompute, never overwrite).
 """
 
 from __future__ import annotations
@@ -18,17 +20,25 @@ from superinfer.operator.api.validation import validate
 from superinfer.operator.controller import conditions
 from superinfer.operator.controller.apply import apply
 from superinfer.operator.controller.conditions import Observed
-from superinfer.operator.controller.kube_client import BY_KIND, DEPLOYMENTS, PODMONITORS, PODS, SERVICES, Res
+from superinfer.operator.controller.kube_client import DEPLOYMENTS, PODMONITORS, PODS, SERVICES, ApiError, Res
 from superinfer.operator.controller.render import Context, render, service_url
 from superinfer.operator.controller.state import State
 
 ISVC = Res(names.API_VERSION, names.PLURAL)
 # Status fields that only some specs have; sync() nulls them when they do not apply.
 CLEARABLE_STATUS = ("model", "desiredReplicas", "autoscaler", "slo")
+STATUS_WRITE_ATTEMPTS = 5
+
+
+ISO = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def now_iso(clock_value: float) -> str:
-    return datetime.datetime.fromtimestamp(clock_value, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.fromtimestamp(clock_value, tz=datetime.timezone.utc).strftime(ISO)
+
+
+def parse_iso(text: str) -> float:
+    return datetime.datetime.strptime(text, ISO).replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
@@ -37,19 +47,33 @@ def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
     return any(ref.get("uid") == uid for ref in refs)
 
 
-async def apply_children(state: State, owner: Mapping[str, Any], spec: InferenceServiceSpec) -> None:
+async def apply_children(state: State, owner: Mapping[str, Any], spec: InferenceServiceSpec) -> str:
+    """Create or patch the children; what the API server refused to accept ("" when nothing)."""
     meta = owner["metadata"]
     ctx = Context(meta["name"], meta["namespace"], state.config.default_image, await state.podmonitor_api())
     children = render(ctx, spec)
     kopf.adopt(children, owner=owner)  # owner reference, namespace, owner's labels
     for child in children:
-        action = await apply(state.kube, child)
+        try:
+            action = await apply(state.kube, child)
+        except ApiError as exc:
+            if exc.status not in (400, 422):
+                raise
+            return rejection(child["kind"], exc.message)
         if action != "unchanged":
             kopf.info(owner, reason=f"{child['kind']}{action.capitalize()}", message=f"{child['kind']} {action}")
     if ctx.podmonitor_api and not spec.monitoring.pod_monitor:
         existing = await state.kube.get(PODMONITORS, ctx.namespace, ctx.name)
         if existing is not None and _owned_by(existing, owner):
             await state.kube.delete(PODMONITORS, ctx.namespace, ctx.name)
+    return ""
+
+
+def rejection(kind: str, message: str) -> str:
+    return (
+        f"the API server rejected the rendered {kind}: {message}; fix the field it names in the "
+        "InferenceService (often spec.template, spec.resources or spec.scheduling)"
+    )
 
 
 async def observe(state: State, owner: Mapping[str, Any], spec: InferenceServiceSpec | None) -> Observed:
@@ -93,18 +117,23 @@ def model_status(obs: Observed, conds: list[conditions.Cond], previous: Mapping[
     return out
 
 
-async def sync(state: State, owner: Mapping[str, Any]) -> dict[str, Any]:
-    """Reconcile one InferenceService and return its whole new status."""
+async def sync(state: State, owner: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """Reconcile one InferenceService: its whole new status, and why the API server rejected a
+    child ("" when it accepted them all)."""
     meta = owner["metadata"]
     ns, name = meta["namespace"], meta["name"]
     old_status = owner.get("status") or {}
     outcome = validate(name, owner.get("spec") or {})
     spec = outcome.spec if outcome.ok else None
+    rejected = ""
     if spec is not None:
-        await apply_children(state, owner, spec)
-    elif not _was_invalid(old_status, outcome.message):
+        rejected = await apply_children(state, owner, spec)
+        if rejected and rejected != _condition_message(old_status, "WorkloadReady"):
+            kopf.warn(owner, reason="ChildRejected", message=rejected)
+    elif _condition_message(old_status, "Validated") != outcome.message:
         kopf.warn(owner, reason="InvalidSpec", message=outcome.message)
     obs = await observe(state, owner, spec)
+    obs.rejected = rejected
     conds = conditions.compute(obs, outcome.problems if not outcome.ok else [])
     now = now_iso(state.config.clock())
     deployment_status = (obs.deployment or {}).get("status", {}) or {}
@@ -130,12 +159,12 @@ async def sync(state: State, owner: Mapping[str, Any]) -> dict[str, Any]:
         state.metrics.slo_target.labels(ns, name).set(spec.slo.attainment_target)
     out = {k: v for k, v in status.items() if v is not None}
     # Null what no longer applies (autoscaling turned off, spec now invalid): a merge patch removes it.
-    return out | {k: None for k in CLEARABLE_STATUS if k not in out}
+    return out | {k: None for k in CLEARABLE_STATUS if k not in out}, rejected
 
 
-def _was_invalid(status: Mapping[str, Any], message: str) -> bool:
-    cond = conditions.find(status.get("conditions") or [], "Validated")
-    return bool(cond and cond.get("status") == conditions.FALSE and cond.get("message") == message)
+def _condition_message(status: Mapping[str, Any], ctype: str) -> str | None:
+    cond = conditions.find(status.get("conditions") or [], ctype)
+    return cond.get("message") if cond and cond.get("status") == conditions.FALSE else None
 
 
 def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
@@ -143,27 +172,23 @@ def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> boo
     return any(old.get(k) != v for k, v in new.items())
 
 
-async def resync(state: State, namespace: str, name: str) -> None:
-    """Re-run sync for a resource found by name (child and pod events); writes status via the API."""
-    key = (namespace, name)
-    async with state.locks[key]:
-        owner = await state.kube.get(ISVC, namespace, name)
-        if owner is None or owner.get("metadata", {}).get("deletionTimestamp"):
-            return
-        status = await sync(state, owner)
-        if status_changed(owner.get("status"), status):
-            await state.kube.patch(ISVC, namespace, name, {"status": status}, sub="status")
-
-
-async def delete_children(state: State, owner: Mapping[str, Any]) -> list[str]:
-    """Delete what we created (the API server's GC would too; emulators and orphans need this)."""
-    meta = owner["metadata"]
-    deleted = []
-    for kind, res in BY_KIND.items():
-        if res is PODMONITORS and not await state.podmonitor_api():
-            continue
-        child = await state.kube.get(res, meta["namespace"], meta["name"])
-        if child is not None and _owned_by(child, owner):
-            await state.kube.delete(res, meta["namespace"], meta["name"])
-            deleted.append(kind)
-    return deleted
+async def resync(state: State, namespace: str, name: str) -> str:
+    """Reconcile a resource found by name and write its status; why a child was rejected, or ""."""
+    async with state.locks[(namespace, name)]:
+        for _ in range(STATUS_WRITE_ATTEMPTS):
+            owner = await state.kube.get(ISVC, namespace, name)
+            if owner is None or owner.get("metadata", {}).get("deletionTimestamp"):
+                return ""
+            status, rejected = await sync(state, owner)
+            if not status_changed(owner.get("status"), status):
+                return rejected
+            version = owner["metadata"].get("resourceVersion")
+            try:
+                await state.kube.patch(
+                    ISVC, namespace, name, {"metadata": {"resourceVersion": version}, "status": status}, sub="status"
+                )
+                return rejected
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+    raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us; retrying", delay=2)

@@ -66,6 +66,7 @@ class State:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     scalers: dict[tuple[str, str], Scaler] = field(default_factory=dict)
+    autoscaled: dict[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)  # latest bodies
     _podmonitor_api: tuple[float, bool] | None = None
 
     async def podmonitor_api(self) -> bool:
@@ -87,5 +88,6 @@ class State:
 
     def forget(self, key: tuple[str, str]) -> None:
         self.scalers.pop(key, None)
+        self.autoscaled.pop(key, None)
         self.locks.pop(key, None)
         self.metrics.forget(*key)

@@ -46,10 +46,11 @@ async def test_create_makes_owned_children_and_status(running):
     assert status["selector"] == names.selector_string("tiny")
     assert running.condition("tiny", "Validated")["status"] == "True"
     assert running.condition("tiny", "Ready")["status"] == "False"
-    # The finalizer and progress annotations carry the group's brand.
-    meta = running.isvc("tiny")["metadata"]
-    assert meta["finalizers"] == [names.FINALIZER]
-    assert any(k.startswith(names.GROUP + "/") for k in meta.get("annotations", {}))
+    # No finalizer (owner references let the cluster delete children); annotations carry our brand.
+    branded = await eventually(
+        lambda: any(k.startswith(names.GROUP + "/") for k in running.isvc("tiny")["metadata"].get("annotations", {}))
+    )
+    assert branded and not running.isvc("tiny")["metadata"].get("finalizers")
     # No PodMonitor without the monitoring API.
     assert running.obj("monitoring.coreos.com/v1/podmonitors", "tiny") is None
 
@@ -150,14 +151,18 @@ async def test_crash_loop_and_insufficient_capacity(running):
     assert "Insufficient nvidia.com/gpu" in work["message"]
 
 
-async def test_delete_releases_finalizer_and_leaves_nothing(running):
-    await running.create_isvc("tiny", TINY)
-    await eventually(lambda: running.obj(DEP, "tiny") and running.obj(SVC, "tiny") and running.obj(PDB, "tiny"))
+async def test_delete_is_never_blocked_and_forgets_the_service(running):
+    """Even with the autoscaler on (which a Kopf timer would hold with a finalizer) and no operator
+    left to answer (helm uninstall), a delete goes through; the cluster's garbage collector deletes
+    the children through their owner references (kmock has no collector, so they stay here)."""
+    await running.create_isvc("tiny", {**TINY, "autoscaling": {"enabled": True, "initialDelaySeconds": 600}})
+    await eventually(lambda: ("default", "tiny") in running.state.scalers)
+    assert not running.isvc("tiny")["metadata"].get("finalizers")
     await running.api.delete(ISVC, "default", "tiny")
     await eventually(lambda: running.isvc("tiny") is None)
-    for res in (DEP, SVC, PDB):
-        assert running.obj(res, "tiny") is None, res
-    assert ("default", "tiny") not in running.state.scalers
+    await eventually(lambda: ("default", "tiny") not in running.state.scalers)
+    assert ("default", "tiny") not in running.state.autoscaled
+    assert running.obj(DEP, "tiny")["metadata"]["ownerReferences"][0]["name"] == "tiny"
 
 
 async def test_scale_subresource_drives_the_deployment(running):
