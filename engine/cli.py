@@ -1,4 +1,4 @@
-"""`superinfer serve | bench | simulate | demo`. The serve flags are derived from EngineConfig's fields."""
+"""`superinfer serve | download | bench | simulate | demo`. The serve flags are derived from EngineConfig's fields."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.contract import API_KEY_ENV
+from superinfer.engine.download import ModelDownloadError
 from superinfer.sim.cli import add_simulate_flags
 
 
@@ -66,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     add_engine_flags(serve)
+    download = sub.add_parser(
+        "download",
+        help="download a Hugging Face model (config, tokenizer, safetensors) into the HF cache; print its folder",
+    )
+    download.add_argument("--model", required=True, help="org/name or hf://org/name[@revision]")
+    for flag in ("revision", "download_dir"):  # as `serve` reads them
+        download.add_argument("--" + flag.replace("_", "-"), help=EngineConfig.model_fields[flag].description)
     bench = sub.add_parser("bench", help="open-loop SLO benchmark of any OpenAI-compatible endpoint")
     bench.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     bench.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
@@ -94,11 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "DEBUG":  # the Hugging Face Hub's HTTP client logs every request at INFO
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         if args.command == "serve":
             from superinfer.engine.server import serve
 
             asyncio.run(serve(engine_config(args)))
+        elif args.command == "download":
+            from superinfer.engine.download import hub_ref, model_snapshot
+
+            print(model_snapshot(hub_ref(args.model, args.revision), cache_dir=args.download_dir))
         elif args.command == "bench":
             from superinfer.bench.endpoint import run_bench
 
@@ -118,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"superinfer: {exc}", file=sys.stderr)
         return 2
+    except ModelDownloadError as exc:
+        print(f"superinfer: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -16,7 +16,21 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Model
-    model: str = Field("tiny", description="HF folder, hf://org/name from the local cache, or a preset name")
+    model: str = Field(
+        "tiny",
+        description="HF folder, a Hugging Face model (org/name or hf://org/name[@revision], downloaded into the HF "
+        "cache unless already there), or a preset name",
+    )
+    revision: str | None = Field(None, description="branch, tag or commit of a Hugging Face model (as @revision)")
+    download_dir: str | None = Field(
+        None,
+        description="Hugging Face cache folder to download models into and load them from (default: HF_HUB_CACHE, "
+        "else HF_HOME/hub, else ~/.cache/huggingface/hub)",
+    )
+    offline: bool = Field(
+        False,
+        description="never contact the Hugging Face Hub: models come from the cache only (also HF_HUB_OFFLINE=1)",
+    )
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")

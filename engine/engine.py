@@ -141,6 +141,9 @@ class EngineCore:
             dtype=None if config.dtype == "auto" else config.dtype,
             device=str(self.device),
             dummy=config.dummy_weights,
+            revision=config.revision,
+            download_dir=config.download_dir,
+            offline=config.offline,
         )
         mc = self.model_config = loaded.config
         self.model_path = loaded.path

@@ -409,6 +409,7 @@ def test_hf_spec_resolves_from_local_cache_only(tmp_path: Path, monkeypatch: pyt
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # downloads: tests/test_model_download.py
     prompts = _prompts([5], 3072)
     expected = _our_logits(load_model(str(src)).model, prompts)
     for spec in ("hf://acme/mini", "hf://acme/mini@0123abcd", "hf://acme/mini@main"):

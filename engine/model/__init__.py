@@ -1,16 +1,16 @@
 """Model package: HF config parsing, the Llama/Qwen2/Qwen3 decoder, the loader and presets."""
 
+from superinfer.engine.download import hf_hub_cache, resolve_hf
+
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, normalize_dtype
 from .decoder import Attention, DecoderLM, apply_rope, init_random_weights, rope_inv_freq
 from .loader import (
     LoadedModel,
     build_model,
-    hf_hub_cache,
     list_presets,
     load_model,
     load_weights,
     preset_config,
-    resolve_hf,
     weight_bytes,
 )
 from .tiny import default_cache_root, ensure_tiny_model, write_tiny_model, write_tokenizer_files

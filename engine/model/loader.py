@@ -2,7 +2,9 @@
 
 A spec is one of:
   * a local Hugging Face folder (config.json + safetensors, single file or sharded);
-  * `hf://org/name[@revision]`, looked up ONLY in the local Hugging Face cache, never downloaded;
+  * `hf://org/name[@revision]`, or a bare `org/name[@revision]` that is not a local folder: a model on
+    the Hugging Face Hub, downloaded into the HF cache (or `download_dir`) unless already there, and
+    taken from that cache alone when offline (see superinfer.engine.download);
   * `tiny`, the built-in model (built into the SuperInfer cache on first use);
   * another preset name from `presets/*.json`, or `dummy://<preset>`: that architecture with
     deterministic random weights and no tokenizer, so a GPU run needs no download.
@@ -11,7 +13,6 @@ A spec is one of:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +20,21 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from superinfer.engine.download import (
+    HF_PREFIX,
+    ModelDownloadError,
+    hub_ref,
+    is_repo_id,
+    model_snapshot,
+    weight_files,
+)
+
 from .config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from .decoder import DecoderLM, init_random_weights
 from .tiny import ensure_tiny_model
 
 PRESETS_DIR = Path(__file__).with_name("presets")
 TINY = "tiny"
-HF_PREFIX = "hf://"
 DUMMY_PREFIX = "dummy://"
 # Buffers some older transformers versions saved into checkpoints; we recompute them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -49,66 +58,6 @@ def preset_config(name: str) -> ModelConfig:
     if not file.is_file():
         raise FileNotFoundError(f"unknown preset {name!r}; presets: {', '.join(list_presets())}")
     return ModelConfig.from_dict(json.loads(file.read_text()))
-
-
-def hf_hub_cache() -> Path:
-    """The Hugging Face hub cache folder, resolved the way huggingface_hub does."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
-
-
-def resolve_hf(ref: str) -> Path:
-    """Snapshot folder of `org/name[@revision]` in the local HF cache (revision: branch, tag or commit)."""
-    repo, _, revision = ref.partition("@")
-    if not repo or repo.count("/") > 1 or repo.startswith("/") or repo.endswith("/"):
-        raise ValueError(f"bad hf:// model id {ref!r}; expected hf://org/name[@revision]")
-    cache = hf_hub_cache()
-    repo_dir = cache / f"models--{repo.replace('/', '--')}"
-    hint = (
-        f"hf://{repo} is not in the local Hugging Face cache ({cache}); SuperInfer never downloads. "
-        f"Fetch it where there is network access (`hf download {repo}` or `huggingface-cli download {repo}`, "
-        "with HF_HUB_CACHE / HF_HOME pointing at this cache), or pass a local model folder."
-    )
-    if not repo_dir.is_dir():
-        raise FileNotFoundError(hint)
-    snapshots = repo_dir / "snapshots"
-    available = sorted(p.name for p in snapshots.iterdir()) if snapshots.is_dir() else []
-    ref_file = repo_dir / "refs" / (revision or "main")
-    if ref_file.is_file():
-        snapshot = snapshots / ref_file.read_text().strip()
-    elif revision and (snapshots / revision).is_dir():
-        snapshot = snapshots / revision
-    elif not revision and len(available) == 1:
-        snapshot = snapshots / available[0]
-    else:
-        wanted = revision or "main"
-        raise FileNotFoundError(f"revision {wanted!r} of hf://{repo} is not in the local cache; have {available}")
-    if not (snapshot / "config.json").is_file():
-        raise FileNotFoundError(f"{snapshot} has no config.json (incomplete download?). {hint}")
-    return snapshot
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a folder: from model.safetensors.index.json, else model.safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(path.glob("*.safetensors"))
-    if found:
-        return found
-    raise FileNotFoundError(f"no safetensors weights in {path} (pytorch .bin checkpoints are not supported)")
 
 
 def _shape_error(name: str, got: tuple[int, ...], want: tuple[int, ...], file: Path) -> ValueError:
@@ -176,17 +125,35 @@ def _folder_tokenizer(path: Path) -> Path | None:
     return path if (path / "tokenizer.json").is_file() else None
 
 
-def _resolve(spec: str) -> tuple[ModelConfig, Path | None, Path | None, bool]:
+def _hub_snapshot(spec: str, revision: str | None, download_dir: str | None, offline: bool) -> Path | None:
+    """Local folder of a Hugging Face Hub spec (downloaded unless cached or offline); None for other specs."""
+    if spec.startswith(HF_PREFIX):
+        return model_snapshot(hub_ref(spec, revision), cache_dir=download_dir, offline=offline)
+    if not is_repo_id(spec) or Path(spec).expanduser().is_dir():
+        return None
+    try:
+        return model_snapshot(hub_ref(spec, revision), cache_dir=download_dir, offline=offline)
+    except (ModelDownloadError, FileNotFoundError) as exc:
+        # A mistyped relative path reads as org/name too: say why the Hub was asked.
+        message = f"model {spec!r} is not a local folder, so it was looked up on the Hugging Face Hub: {exc}"
+        raise type(exc)(message) from exc
+
+
+def _resolve(
+    spec: str, revision: str | None = None, download_dir: str | None = None, offline: bool = False
+) -> tuple[ModelConfig, Path | None, Path | None, bool]:
     """(config, folder, tokenizer folder, force dummy) for a spec."""
+    hub = _hub_snapshot(spec, revision, download_dir, offline)
+    if hub is not None:
+        return ModelConfig.from_dir(hub), hub, _folder_tokenizer(hub), False
+    if revision:
+        raise ValueError(f"--revision is for Hugging Face models (org/name or hf://org/name); {spec!r} is not one")
     if spec.startswith(DUMMY_PREFIX):
         name = spec.removeprefix(DUMMY_PREFIX)
         if name == TINY:
             path = ensure_tiny_model()
             return ModelConfig.from_dir(path), path, path, True
         return preset_config(name), None, None, True
-    if spec.startswith(HF_PREFIX):
-        path = resolve_hf(spec.removeprefix(HF_PREFIX))
-        return ModelConfig.from_dir(path), path, _folder_tokenizer(path), False
     local = Path(spec).expanduser()
     if local.is_dir():
         return ModelConfig.from_dir(local), local.resolve(), _folder_tokenizer(local.resolve()), False
@@ -196,7 +163,8 @@ def _resolve(spec: str) -> tuple[ModelConfig, Path | None, Path | None, bool]:
     if (PRESETS_DIR / f"{spec}.json").is_file():
         return preset_config(spec), None, None, True
     raise FileNotFoundError(
-        f"model {spec!r} is not a local folder, an hf://org/name id or a preset (presets: {', '.join(list_presets())})"
+        f"model {spec!r} is not a local folder, a Hugging Face id (org/name or hf://org/name) or a preset "
+        f"(presets: {', '.join(list_presets())})"
     )
 
 
@@ -207,13 +175,18 @@ def load_model(
     device: str = "cpu",
     dummy: bool = False,
     seed: int = 0,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    offline: bool = False,
 ) -> LoadedModel:
     """Load `spec` (see the module docstring) onto `device`.
 
     dtype defaults to float32 on CPU and to the config's dtype elsewhere. `dummy=True` (implied by
-    presets) skips the checkpoint and fills deterministic random weights from `seed`.
+    presets) skips the checkpoint and fills deterministic random weights from `seed`. For Hub models,
+    `revision` pins a branch, tag or commit (like `@revision`), `download_dir` replaces the Hugging
+    Face cache folder, and `offline` (or HF_HUB_OFFLINE=1) uses that cache without contacting the Hub.
     """
-    cfg, path, tokenizer_dir, force_dummy = _resolve(spec)
+    cfg, path, tokenizer_dir, force_dummy = _resolve(spec, revision, download_dir, offline)
     torch_device = torch.device(device)
     model = build_model(cfg, dtype=dtype or _default_dtype(cfg, torch_device), device=torch_device)
     if dummy or force_dummy or path is None:
