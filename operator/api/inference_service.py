@@ -114,13 +114,15 @@ class EnvVar(KubeModel):
 
 
 class RotarySpec(KubeModel):
-    alpha: float = Field(default=3.0, gt=0)
-    """Weight of the SLO slack in the rotary victim score."""
+    """RotaSched's Virtual Lag Time (VLT) weights: requests are served largest VLT first."""
+
+    alpha: float = Field(default=3.0, ge=0)
+    """Weight of TBT lag (a rotated-out request waiting for its next token) against TTFT lag."""
     beta_f: float = Field(default=0.5, ge=0)
-    """Weight of the forward (GPU to CPU) transfer cost."""
+    """A waiting request starts lagging after betaF x its TTFT SLO."""
     beta_b: float = Field(default=0.0, ge=0)
-    """Weight of the backward (CPU to GPU) transfer cost."""
-    transfer_budget_blocks: int = Field(default=2400, ge=0)
+    """A rotated-out request starts lagging after betaB x its TBT SLO."""
+    transfer_budget_blocks: int = Field(default=2400, ge=1)
     """KV blocks that may move each scheduler step, in both directions together."""
 
 

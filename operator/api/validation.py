@@ -19,7 +19,16 @@ from superinfer.operator.api.inference_service import InferenceServiceSpec
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Flags the operator renders itself; setting them in engine.args would fight the spec.
-RENDERED_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--policy", "--device")
+RENDERED_FLAGS = (
+    "--model",
+    "--revision",
+    "--download-dir",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--policy",
+    "--device",
+)
 # Host memory the engine needs beyond the CPU KV tier (Python, tokenizer, pinned staging).
 MEMORY_HEADROOM_GIB = 2.0
 
