@@ -9,7 +9,6 @@ from dataclasses import replace
 from typing import Any
 
 import aiohttp
-import kopf
 
 from superinfer.operator.api import names
 from superinfer.operator.api.inference_service import MAX_SLO_CLASSES, InferenceServiceSpec
@@ -18,11 +17,12 @@ from superinfer.operator.autoscaling import pod_metrics, prometheus_window
 from superinfer.operator.autoscaling.decision import Decision, Memory, Observation, Params, decide, window_classes
 from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import WindowStats
-from superinfer.operator.controller import conditions
+from superinfer.operator.controller import conditions, events
 from superinfer.operator.controller.conditions import FALSE, Cond
 from superinfer.operator.controller.kube_client import PODS, ApiError
-from superinfer.operator.controller.reconcile import ISVC, now_iso, parse_iso
+from superinfer.operator.controller.reconcile import ISVC
 from superinfer.operator.controller.state import Scaler, State, pod_metrics_url
+from superinfer.operator.controller.timestamps import now_iso, parse_iso
 
 HISTORY = 10
 
@@ -230,8 +230,9 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
         direction = "up" if decision.action == "ScaleUp" else "down"
         state.metrics.decisions.labels(ns, name, direction, decision.reason).inc()
     if decision.apply:
-        kopf.info(owner, reason=decision.action, message=f"{obs.replicas} → {decision.target}: {decision.message}")
+        message = f"{obs.replicas} → {decision.target}: {decision.message}"
+        await events.post(state.kube, owner, decision.action, message, now)
     elif decision.action != "Hold":
-        kopf.info(owner, reason="ScaleRecommended", message=f"Advisory: {decision.message}")
+        await events.post(state.kube, owner, "ScaleRecommended", f"Advisory: {decision.message}", now)
     log.debug("autoscaler %s/%s: %s %s", ns, name, decision.action, decision.reason)
     return decision

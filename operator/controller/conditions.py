@@ -173,7 +173,9 @@ def compute(obs: Observed, problems: Sequence[str]) -> list[Cond]:
     """Every applicable condition for an observed state, the roll-up last."""
     valid = validated(problems)
     conds: list[Cond] = [valid]
-    if valid.status == TRUE:
+    if valid.status == TRUE and obs.rejected:  # nothing else can be judged until the spec is fixed
+        conds.append(workload_ready(obs))
+    elif valid.status == TRUE:
         conds += [c for c in (model_ready(obs), workload_ready(obs), service_ready(obs)) if c is not None]
         if obs.autoscaling:
             conds.append(obs.metrics or Cond("MetricsAvailable", UNKNOWN, "Pending", "no scrape yet"))

@@ -38,6 +38,7 @@ class Res:
 DEPLOYMENTS = Res("apps/v1", "deployments")
 SERVICES = Res("v1", "services")
 PODS = Res("v1", "pods")
+EVENTS = Res("v1", "events")
 PDBS = Res("policy/v1", "poddisruptionbudgets")
 PODMONITORS = Res("monitoring.coreos.com/v1", "podmonitors")
 BY_KIND = {

@@ -8,7 +8,6 @@ precondition (a concurrent writer makes it read again and recompute, never overw
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,28 +16,18 @@ import kopf
 from superinfer.operator.api import names
 from superinfer.operator.api.inference_service import InferenceServiceSpec
 from superinfer.operator.api.validation import validate
-from superinfer.operator.controller import conditions
+from superinfer.operator.controller import conditions, events
 from superinfer.operator.controller.apply import apply
 from superinfer.operator.controller.conditions import Observed
 from superinfer.operator.controller.kube_client import DEPLOYMENTS, PODMONITORS, PODS, SERVICES, ApiError, Res
 from superinfer.operator.controller.render import Context, render, service_url
 from superinfer.operator.controller.state import State
+from superinfer.operator.controller.timestamps import now_iso
 
 ISVC = Res(names.API_VERSION, names.PLURAL)
 # Status fields that only some specs have; sync() nulls them when they do not apply.
 CLEARABLE_STATUS = ("model", "desiredReplicas", "autoscaler", "slo")
 STATUS_WRITE_ATTEMPTS = 5
-
-
-ISO = "%Y-%m-%dT%H:%M:%SZ"
-
-
-def now_iso(clock_value: float) -> str:
-    return datetime.datetime.fromtimestamp(clock_value, tz=datetime.timezone.utc).strftime(ISO)
-
-
-def parse_iso(text: str) -> float:
-    return datetime.datetime.strptime(text, ISO).replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
@@ -61,7 +50,8 @@ async def apply_children(state: State, owner: Mapping[str, Any], spec: Inference
                 raise
             return rejection(child["kind"], exc.message)
         if action != "unchanged":
-            kopf.info(owner, reason=f"{child['kind']}{action.capitalize()}", message=f"{child['kind']} {action}")
+            reason = f"{child['kind']}{action.capitalize()}"
+            await events.post(state.kube, owner, reason, f"{child['kind']} {action}", state.config.clock())
     if ctx.podmonitor_api and not spec.monitoring.pod_monitor:
         existing = await state.kube.get(PODMONITORS, ctx.namespace, ctx.name)
         if existing is not None and _owned_by(existing, owner):
@@ -129,9 +119,9 @@ async def sync(state: State, owner: Mapping[str, Any]) -> tuple[dict[str, Any], 
     if spec is not None:
         rejected = await apply_children(state, owner, spec)
         if rejected and rejected != _condition_message(old_status, "WorkloadReady"):
-            kopf.warn(owner, reason="ChildRejected", message=rejected)
+            await events.post(state.kube, owner, "ChildRejected", rejected, state.config.clock(), warning=True)
     elif _condition_message(old_status, "Validated") != outcome.message:
-        kopf.warn(owner, reason="InvalidSpec", message=outcome.message)
+        await events.post(state.kube, owner, "InvalidSpec", outcome.message, state.config.clock(), warning=True)
     obs = await observe(state, owner, spec)
     obs.rejected = rejected
     conds = conditions.compute(obs, outcome.problems if not outcome.ok else [])
@@ -150,10 +140,13 @@ async def sync(state: State, owner: Mapping[str, Any]) -> tuple[dict[str, Any], 
         scaler = state.scalers.get((ns, name))
         desired = scaler.desired if scaler and spec.autoscaling.enabled and scaler.desired else None
         status["desiredReplicas"] = desired or spec.effective_replicas()
-        if scaler and spec.autoscaling.enabled:
+        if scaler and scaler.status and spec.autoscaling.enabled:
             status["autoscaler"] = scaler.status
             if scaler.slo_status:
                 status["slo"] = scaler.slo_status
+        elif spec.autoscaling.enabled:  # not evaluated since the operator started: keep what it remembers
+            status["autoscaler"] = old_status.get("autoscaler")
+            status["slo"] = old_status.get("slo")
         state.metrics.current_replicas.labels(ns, name).set(status["replicas"])
         state.metrics.ready_replicas.labels(ns, name).set(status["readyReplicas"])
         state.metrics.slo_target.labels(ns, name).set(spec.slo.attainment_target)

@@ -3,12 +3,15 @@
 Adds what Kopf and the operator rely on and kmock 0.8 leaves out: names for `generateName`
 (Kopf posts Events that way), `uid`, `creationTimestamp`, a `resourceVersion` bumped on every
 write and a `generation` bumped on spec writes, and 409 Conflict for a write whose
-`metadata.resourceVersion` is not the stored one (optimistic concurrency). Everything else is
-kmock's own behaviour.
+`metadata.resourceVersion` is not the stored one (optimistic concurrency). `refuse()` makes the next
+matching writes fail as an API server refuses them: with an error status and nothing stored (kmock's
+own reactions answer with an error but store the write anyway). Everything else is kmock's own
+behaviour.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import secrets
@@ -19,10 +22,40 @@ import aiohttp.web
 from kmock import KubernetesEmulator, action
 
 
+@dataclasses.dataclass
+class Refusal:
+    method: str  # POST, PATCH, ...
+    plural: str  # deployments, inferenceservices, ...
+    subresource: str | None
+    status: int
+    message: str
+    times: int
+
+    def matches(self, request: Any) -> bool:
+        return (
+            self.times > 0
+            and request.method == self.method
+            and request.resource is not None
+            and request.resource.plural == self.plural
+            and (request.subresource or None) == self.subresource
+        )
+
+
 class Emulator(KubernetesEmulator):
     _versions = itertools.count(1)
 
+    def refuse(
+        self, method: str, plural: str, status: int, message: str, subresource: str | None = None, times: int = 1
+    ) -> Refusal:
+        refusal = Refusal(method, plural, subresource, status, message, times)
+        self._refusals = [*getattr(self, "_refusals", []), refusal]
+        return refusal
+
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
+        for refusal in getattr(self, "_refusals", []):
+            if refusal.matches(request):
+                refusal.times -= 1
+                return _status(refusal.status, refusal.message)
         data = request.data if isinstance(request.data, dict) else None
         if request.resource is not None and data is not None:
             meta = data.setdefault("metadata", {})
@@ -37,11 +70,7 @@ class Emulator(KubernetesEmulator):
             elif request.action == action.UPDATE and request.name is not None:
                 wanted = meta.get("resourceVersion")
                 if wanted is not None and wanted != self._stored_version(request):
-                    return aiohttp.web.json_response(
-                        {"kind": "Status", "status": "Failure", "reason": "Conflict", "code": 409,
-                         "message": "the object has been modified; please apply your changes to the latest version"},
-                        status=409,
-                    )  # fmt: skip
+                    return _status(409, "the object has been modified; please apply your changes to the latest version")
                 meta["resourceVersion"] = str(next(self._versions))
                 if "spec" in data and request.subresource != "status":
                     meta["generation"] = self._generation(request) + 1
@@ -62,3 +91,13 @@ class Emulator(KubernetesEmulator):
         if obj.deleted:
             return 0
         return int(obj.get("metadata", {}).get("generation", 0) or 0)
+
+
+REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 422: "Invalid", 500: "InternalError"}
+
+
+def _status(code: int, message: str) -> aiohttp.web.Response:
+    """A metav1.Status error, as the API server answers."""
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": REASONS.get(code, ""),
+            "message": message, "code": code}  # fmt: skip
+    return aiohttp.web.json_response(body, status=code)

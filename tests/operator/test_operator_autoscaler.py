@@ -21,7 +21,7 @@ from superinfer.operator.autoscaling.pod_metrics import (
     parse,
     pooled,
 )
-from superinfer.operator.autoscaling.tick import record, tick
+from superinfer.operator.autoscaling.tick import memory_status, record, restore, tick
 from superinfer.operator.controller.kube_client import Kube
 from superinfer.operator.controller.state import Config, Scaler, State
 
@@ -435,3 +435,41 @@ async def test_tick_leaves_an_invalid_service_alone():
     owner = {"metadata": {"namespace": "ns", "name": "big"}, "spec": spec}
     assert await tick(state, owner, logging.getLogger("test")) is None
     assert state.scalers == {}
+
+
+def test_another_writer_of_replicas_holds_an_active_autoscaler_until_it_goes_quiet():
+    mine = replace(WARM, applied_replicas=2)
+    d = decide(obs(3, attainment=0.5), P, mine)  # distress, but someone (an HPA) just set 3
+    assert (d.action, d.reason, d.apply) == ("Hold", "ExternalWriter", False)
+    assert d.scaling.status == "False" and "from 2 to 3 by another writer" in d.scaling.message
+    assert "Advisory" in d.scaling.message  # says how to resolve it
+    assert (d.memory.applied_replicas, d.memory.external_write_at) == (3, T0)
+    quiet = P.stabilization_seconds
+    assert decide(obs(3, attainment=0.5, now=T0 + quiet - 1), P, d.memory).reason == "ExternalWriter"
+    resumed = decide(obs(3, attainment=0.5, now=T0 + quiet + 1), P, d.memory)
+    assert (resumed.action, resumed.apply, resumed.memory.applied_replicas) == ("ScaleUp", True, resumed.target)
+
+
+def test_advisory_mode_leaves_replicas_to_other_writers():
+    advisory = replace(P, advisory=True)
+    d = decide(obs(3, attainment=0.5), advisory, replace(WARM, applied_replicas=2))
+    assert (d.action, d.reason, d.apply) == ("ScaleUp", "SLODistress", False)
+
+
+def test_the_first_decision_adopts_the_replicas_it_finds():
+    d = decide(obs(2), P, WARM)
+    assert d.reason != "ExternalWriter" and d.memory.applied_replicas == 2
+
+
+def test_memory_survives_a_round_trip_through_status():
+    memory = Memory(started_at=T0, last_scale_at=T0 + 60, healthy_since=T0 + 120, applied_replicas=3,
+                    external_write_at=T0 + 30)  # fmt: skip
+    model = LatencyModel()
+    model.observe(4.0, 0.02)
+    model.observe(9.5, 0.031)
+    saved = {"history": [{"action": "ScaleUp"}], "lastDecision": {"action": "Hold"}, **memory_status(memory, model)}
+    scaler = Scaler(memory=Memory(started_at=T0 + 9999), window=Window(seconds=120))
+    restore(scaler, saved)
+    assert scaler.memory == memory
+    assert list(scaler.model.points) == [(4.0, 0.02), (9.5, 0.031)]
+    assert scaler.status["history"] == [{"action": "ScaleUp"}]

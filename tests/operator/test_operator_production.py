@@ -1,0 +1,110 @@
+"""What a shared production cluster does to the operator, against the kmock API emulator: concurrent
+writers (409), children the API server rejects (422), failing /scale writes, operator restarts,
+other autoscalers writing replicas, and the server-side selectors of its watches."""
+
+from __future__ import annotations
+
+import time
+
+import kmock as km
+import pytest
+
+from superinfer.operator.api import names
+from superinfer.operator.controller.kube_client import ApiError
+from superinfer.operator.controller.reconcile import ISVC
+from superinfer.operator.controller.timestamps import now_iso
+from tests.operator.conftest import ISVC_RES, eventually, isvc
+
+DEP = "apps/v1/deployments"
+TINY = {"model": {"uri": "preset://tiny"}, "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"}}
+AUTO = {**TINY, "autoscaling": {"enabled": True, "maxReplicas": 4, "intervalSeconds": 1, "initialDelaySeconds": 600}}
+
+
+def autoscaler(running, name: str) -> dict:
+    return (running.isvc(name).get("status") or {}).get("autoscaler") or {}
+
+
+async def test_a_stale_write_gets_409_from_the_emulator_as_from_an_api_server(running):
+    await running.create_isvc("tiny", TINY)
+    stale = (await eventually(lambda: running.isvc("tiny")))["metadata"]["resourceVersion"]
+    await running.api.patch(ISVC, "default", "tiny", {"spec": {"replicas": 2}})
+    with pytest.raises(ApiError) as exc:
+        await running.api.patch(
+            ISVC, "default", "tiny", {"metadata": {"resourceVersion": stale}, "status": {"url": "x"}}, sub="status"
+        )
+    assert exc.value.status == 409
+
+
+async def test_a_status_write_that_loses_a_race_is_recomputed_and_retried(running):
+    conflict = running.kmock.refuse("PATCH", names.PLURAL, 409, "the object has been modified", subresource="status")
+    await running.create_isvc("tiny", TINY)
+    await running.wait_condition("tiny", "Validated", status="True")
+    assert conflict.times == 0  # the first write was refused; a fresh read and write followed
+    assert running.isvc("tiny")["status"]["observedGeneration"] == 1
+
+
+async def test_a_child_the_api_server_rejects_gives_a_condition_that_says_what_to_fix(running):
+    message = 'Deployment.apps "bad" is invalid: spec.template.spec.hostPID: Forbidden: not allowed here'
+    (
+        running.kmock[km.method.POST, km.resource(DEP)]
+        << 422
+        << {"kind": "Status", "reason": "Invalid", "message": message}
+    )
+    await running.create_isvc("bad", {**TINY, "template": {"hostPID": True}})
+    cond = await running.wait_condition("bad", "WorkloadReady", reason="ChildRejected")
+    assert message in cond["message"] and "spec.template" in cond["message"]
+    ready = running.condition("bad", "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ChildRejected")
+
+
+async def test_a_failed_scale_write_is_not_recorded_as_applied(running):
+    refused = running.kmock.refuse("PATCH", names.PLURAL, 403, "scale is forbidden here", subresource="scale")
+    await running.create_isvc("auto", {**AUTO, "replicas": 6})  # over maxReplicas: the autoscaler scales down
+    first = await eventually(lambda: autoscaler(running, "auto")["history"][0])
+    assert (first["action"], first["toReplicas"], first["applied"]) == ("ScaleDown", 4, False)
+    assert "scale is forbidden here" in first["message"]
+    assert refused.times == 0
+    # No cooldown was started by the write that did not happen: the next evaluation writes it.
+    await eventually(lambda: running.isvc("auto")["spec"]["replicas"] == 4)
+    done = await eventually(lambda: [h for h in autoscaler(running, "auto")["history"] if h["applied"]])
+    assert (done[0]["fromReplicas"], done[0]["toReplicas"]) == (6, 4)
+    assert autoscaler(running, "auto")["appliedReplicas"] == 4
+
+
+async def test_after_a_restart_the_autoscaler_continues_from_its_status(running):
+    now = time.time()
+    earlier = {"time": now_iso(now - 30), "action": "ScaleUp", "reason": "SLODistress", "message": "burst",
+               "fromReplicas": 1, "toReplicas": 2, "applied": True}  # fmt: skip
+    body = isvc("auto", {**AUTO, "replicas": 2})
+    body["status"] = {"autoscaler": {"history": [earlier], "lastDecision": earlier, "lastScaleTime": now_iso(now - 30),
+                                     "startedAt": now_iso(now - 3600), "appliedReplicas": 2,
+                                     "latencySamples": [{"batch": 8, "tbtSeconds": 0.03}]}}  # fmt: skip
+    await running.api.create(ISVC, "default", body)  # what a previous operator process left behind
+    await eventually(lambda: autoscaler(running, "auto")["lastDecision"]["reason"] != "SLODistress")
+    saved = autoscaler(running, "auto")
+    assert saved["history"][0] == earlier  # not overwritten by the first tick
+    assert saved["lastScaleTime"] == now_iso(now - 30) and saved["startedAt"] == now_iso(now - 3600)
+    assert saved["lastDecision"]["reason"] != "InitialDelay"  # warm-up counted from when it first started
+    scaler = running.state.scalers["default", "auto"]
+    assert scaler.memory.last_scale_at == pytest.approx(now - 30, abs=1)  # the cooldown goes on
+    assert list(scaler.model.points) == [(8.0, 0.03)]
+
+
+async def test_kubectl_scale_beside_an_active_autoscaler_is_reported(running):
+    await running.create_isvc("auto", AUTO)
+    await eventually(lambda: autoscaler(running, "auto").get("appliedReplicas") == 1)
+    await running.api.patch(ISVC, "default", "auto", {"spec": {"replicas": 3}}, sub="scale")
+    cond = await running.wait_condition("auto", "ScalingReady", reason="ExternalWriter")
+    assert cond["status"] == "False" and "from 1 to 3 by another writer" in cond["message"]
+    await eventually(lambda: running.obj(DEP, "auto")["spec"]["replicas"] == 3)  # the other writer wins
+
+
+async def test_child_watches_select_our_objects_on_the_server(running):
+    await running.create_isvc("tiny", TINY)
+    await eventually(lambda: running.obj(DEP, "tiny"))
+    watches = list(running.kmock[km.action.WATCH, km.resource(DEP)])
+    assert watches
+    selector = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY},{names.LABEL_SERVICE}"
+    assert all(w.params.get("labelSelector") == selector for w in watches)
+    isvc_watches = list(running.kmock[km.action.WATCH, km.resource(ISVC_RES)])
+    assert isvc_watches and not any(w.params.get("labelSelector") for w in isvc_watches)
