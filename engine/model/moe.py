@@ -3,10 +3,11 @@ each a SwiGLU MLP, and their outputs are summed with the router's weights.
 
 The experts of a layer are stacked into two tensors at load time, w13 [E, 2 * I, H] (gate rows,
 then up rows) and w2 [E, H, I], so that one expert is one matmul pair. `grouped_experts` is the
-torch reference: the (token, expert) pairs sorted by expert, one matmul per expert that has
-tokens, the weighted outputs scattered back. A fused GPU kernel can replace it behind the same
-signature. `SparseMoE.checkpoint_tensors` names every expert's weights as the Hub checkpoints do,
-as views of the stacked tensors, so the loader fills them tensor by tensor.
+torch reference: the (token, expert) pairs sorted by expert, one matmul pair per expert that has
+tokens, the weighted outputs scattered back. It reads the group sizes on the host (one sync per
+layer, free on the CPU); a fused GPU kernel can replace it behind the same signature.
+`SparseMoE.checkpoint_tensors` names every expert's weights as the Hub checkpoints do, as views of
+the stacked tensors, so the loader fills them tensor by tensor.
 """
 
 from __future__ import annotations
