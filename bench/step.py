@@ -2,7 +2,7 @@
 
 Decode: B requests at a given context length; the time per step against the roofline
 (weight bytes + KV bytes read) / measured HBM bandwidth, with and without async scheduling.
-Prefill: tokens per second and the share of bf16 peak (2 x parameters x tokens FLOPs).
+Prefill: tokens per second and the share of bf16 peak (2 x active parameters x tokens FLOPs).
 
     python -m bench.step --device cuda --model llama-3-8b [--batches 1,16,64,256] [--context 2048]
     python -m bench.step --device cpu --model tiny --batches 1,8 --context 128   # smoke run
@@ -119,7 +119,7 @@ def main() -> None:
                 flush=True,
             )
     seconds = prefill(core, args.prefill_tokens)
-    flops = 2 * mc.num_params() * args.prefill_tokens
+    flops = 2 * mc.num_active_params() * args.prefill_tokens  # MoE: the top-k experts
     figures["prefill_tok_s"] = args.prefill_tokens / seconds
     figures["prefill_share_of_bf16_peak"] = flops / seconds / BF16_PEAK_FLOPS
     print(

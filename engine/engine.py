@@ -74,7 +74,7 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, d
     free, total = torch.cuda.mem_get_info(device)
     mc, dtype_bytes = loaded.config, 4
     # Peak activations of the largest step plus the sampler's float32 logits work space.
-    activations = config.max_num_batched_tokens * (4 * mc.hidden_size + 3 * mc.intermediate_size) * dtype_bytes
+    activations = config.max_num_batched_tokens * (4 * mc.hidden_size + mc.ffn_activations_per_token()) * dtype_bytes
     logits = config.max_num_seqs * mc.vocab_size * 4 * 4
     budget = total * config.gpu_memory_utilization - (total - free) - activations - logits - (256 << 20)
     if budget < block_bytes:

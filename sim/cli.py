@@ -29,7 +29,9 @@ COLUMNS = (
 def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("replica")
     g.add_argument(
-        "--model", default="llama-3-8b", help="a preset (llama-3-8b, qwen2.5-32b, mixtral-8x7b, ...) or a config.json"
+        "--model",
+        default="llama-3-8b",
+        help="a preset (llama-3-8b, qwen2.5-32b, mixtral-8x7b, qwen3-30b-a3b, ...) or a config.json",
     )
     g.add_argument("--hardware", default="gh200", help="gh200, h100 (PCIe Gen5 host link), h200, cpu")
     g.add_argument(

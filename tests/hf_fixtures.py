@@ -21,9 +21,14 @@ from superinfer.engine.model.tiny import (
     write_tokenizer_files,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 # Small enough to build and run in milliseconds, big enough for GQA (2 query heads per kv head).
+# MoE models: top-2 of 4 (Mixtral) or 8 (Qwen3-MoE) experts unless overridden.
+_MOE = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+}
 _BASE = {
     "hidden_size": 64,
     "intermediate_size": 112,
@@ -48,7 +53,13 @@ LLAMA3_SCALING = {
 def _config(arch: str, rope_scaling: dict[str, Any] | None, tie: bool, overrides: dict[str, Any]) -> Any:
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }
     if arch not in cls:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     ids = special_token_ids()
@@ -57,8 +68,9 @@ def _config(arch: str, rope_scaling: dict[str, Any] | None, tie: bool, overrides
         "bos_token_id": ids[BOS],
         "eos_token_id": [ids[END_OF_TEXT], ids[EOT]],
         "tie_word_embeddings": tie,
+        **_MOE.get(arch, {}),
     }
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 32  # explicit and != hidden / heads, as in real Qwen3 checkpoints
     theta = overrides.pop("rope_theta", 10000.0)
     kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **(rope_scaling or {})}
@@ -105,7 +117,7 @@ def make_hf_checkpoint(
     config_form: str = "v5",
     **config_overrides: Any,
 ) -> Path:
-    """Save a random float32 `arch` ("llama" | "qwen2" | "qwen3") model into `path` and return it.
+    """Save a random float32 `arch` (one of ARCHS) model into `path` and return it.
 
     `rope_scaling` is an HF rope dict such as LLAMA3_SCALING; `shard` splits the weights into
     several files with an index; `config_form="v4"` rewrites config.json the transformers 4 way.
@@ -139,13 +151,14 @@ def hf_model(path: Path) -> Any:
 
 
 def hf_greedy(model: Any, prompt: list[int], num_tokens: int, **generate_kwargs: Any) -> list[int]:
-    """transformers' greedy continuation of `prompt`: exactly `num_tokens` tokens, EOS ignored."""
+    """transformers' greedy continuation of `prompt`: exactly `num_tokens` tokens, EOS ignored (not
+    a stop and still a candidate, as the engine's ignore_eos; min_new_tokens would mask it out)."""
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=num_tokens,
-        min_new_tokens=num_tokens,
+        eos_token_id=None,
         do_sample=False,
         pad_token_id=0,
         **generate_kwargs,

@@ -328,9 +328,11 @@ PUBLIC_PARAM_COUNTS = {  # from the model cards / safetensors index totals
     "llama-3-8b": 8_030_261_248,
     "llama-3.1-8b": 8_030_261_248,
     "llama-3.2-1b": 1_235_814_400,
+    "mixtral-8x7b": 46_702_792_704,
     "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-32b": 32_763_876_352,
     "qwen3-0.6b": 596_049_920,
+    "qwen3-30b-a3b": 30_532_122_624,
     "qwen3-8b": 8_190_735_360,
 }
 

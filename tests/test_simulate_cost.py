@@ -13,7 +13,7 @@ from superinfer.engine.core.request import SamplingParams
 from superinfer.sim.config import SimConfig
 from superinfer.sim.cost import CalibratedCost, load_calibration, roofline_cost
 from superinfer.sim.hardware import get_profile
-from superinfer.sim.model_spec import load_model_spec
+from superinfer.sim.model_spec import PRESETS, from_hf_config, load_model_spec
 
 LLAMA = load_model_spec("llama-3-8b")
 # Nominal rates, no launch cost: the bare roofline.
@@ -76,6 +76,28 @@ def test_moe_weight_traffic_counts_the_experts_in_use():
     assert one == pytest.approx((mixtral.shared_params + 32 * 2 * mixtral.expert_params) * 2)
     assert mixtral.weight_bytes_read(256) == pytest.approx(mixtral.weight_bytes, rel=1e-9)
     assert load_model_spec("llama-3-8b").weight_bytes_read(256) == LLAMA.weight_bytes  # dense: all of it
+
+
+def test_qwen3_moe_reads_its_routed_experts_and_its_dense_layers():
+    qwen = load_model_spec("qwen3-30b-a3b")
+    # The checkpoint's counts, less the q/k norms (2 x 128 per layer) the cost model leaves out.
+    assert qwen.num_params == 30_532_122_624 - 48 * 256
+    assert qwen.active_params == 3_041_867_776 - 48 * 256
+    assert qwen.expert_params == 3 * 2048 * 768 and qwen.num_moe_layers == 48
+    assert qwen.experts_touched(1) == pytest.approx(8.0)
+    assert qwen.experts_touched(16) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 16))
+    assert qwen.weight_bytes_read(1) == pytest.approx((qwen.shared_params + 48 * 8 * qwen.expert_params) * 2)
+    raw = json.loads((PRESETS / "qwen3-30b-a3b.json").read_text())
+    two_dense = from_hf_config("q", {**raw, "mlp_only_layers": [0, 5]})
+    assert (
+        two_dense.num_dense_layers == 2
+        and from_hf_config("q", {**raw, "decoder_sparse_step": 2}).num_dense_layers == 24
+    )
+    # A dense layer reads its whole MLP and no router; an MoE layer its router and the experts hit.
+    dense_mlp, moe_one_token = 3 * 2048 * 6144, 2048 * 128 + 8 * qwen.expert_params
+    assert two_dense.weight_bytes_read(1) - qwen.weight_bytes_read(1) == pytest.approx(
+        2 * (dense_mlp - moe_one_token) * 2
+    )
 
 
 def test_calibration_replaces_the_roofline(tmp_path):

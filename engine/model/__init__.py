@@ -1,8 +1,9 @@
-"""Model package: HF config parsing, the Llama/Qwen2/Qwen3 decoder, the loader and presets."""
+"""Model package: HF config parsing, the Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE decoder, the loader and
+presets."""
 
 from superinfer.engine.download import hf_hub_cache, resolve_hf
 
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, normalize_dtype
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig, MoEConfig, normalize_dtype
 from .decoder import Attention, DecoderLM, apply_rope, init_random_weights, rope_inv_freq
 from .loader import (
     LoadedModel,
@@ -20,6 +21,7 @@ __all__ = [
     "Attention",
     "DecoderLM",
     "LoadedModel",
+    "MoEConfig",
     "ModelConfig",
     "apply_rope",
     "build_model",

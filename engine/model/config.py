@@ -1,7 +1,8 @@
 """Model configuration parsed from a Hugging Face `config.json`.
 
 Both serialisations are accepted: transformers 4.x (`rope_theta` and `rope_scaling` at the top
-level, `torch_dtype`) and 5.x (`rope_parameters` holding `rope_theta`, `dtype`).
+level, `torch_dtype`) and 5.x (`rope_parameters` holding `rope_theta`, `dtype`). Mixture-of-experts
+models (Mixtral, Qwen3-MoE) carry a `MoEConfig`.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 _ARCH_FROM_CLASS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # Defaults of the transformers config classes for keys a config.json may leave out.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen3_moe": 32768}
+_QK_NORM = ("qwen3", "qwen3_moe")
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_ALIASES = {
@@ -111,6 +115,55 @@ def _require(raw: Mapping[str, Any], key: str) -> Any:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Sparse feed-forward: each token goes to the `top_k` of `num_experts` SwiGLU experts its
+    router scores highest, their outputs summed with the router's weights."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool  # rescale the top-k weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    # Qwen3-MoE rounds the top-k weights to the model dtype before weighting; Mixtral keeps float32.
+    weights_in_model_dtype: bool
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (the model's intermediate_size)
+
+
+def _mixtral_moe(raw: Mapping[str, Any]) -> MoEConfig:
+    return MoEConfig(
+        num_experts=int(raw.get("num_local_experts") or 8),
+        top_k=int(raw.get("num_experts_per_tok") or 2),
+        intermediate_size=int(_require(raw, "intermediate_size")),
+        renormalize=True,
+        weights_in_model_dtype=False,
+    )
+
+
+def _qwen3_moe(raw: Mapping[str, Any], num_layers: int) -> MoEConfig | None:
+    # The Hub's config.json says num_experts; transformers 5 writes num_local_experts.
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if experts == 0:
+        return None  # every layer dense
+    step = int(raw.get("decoder_sparse_step") or 1)
+    mlp_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    return MoEConfig(
+        num_experts=experts,
+        top_k=int(raw.get("num_experts_per_tok") or 8),
+        intermediate_size=int(raw.get("moe_intermediate_size") or 768),
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        weights_in_model_dtype=True,
+        dense_layers=tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step),
+    )
+
+
+def _moe(arch: str, raw: Mapping[str, Any], num_layers: int) -> MoEConfig | None:
+    if arch == "mixtral":
+        return _mixtral_moe(raw)
+    if arch == "qwen3_moe":
+        return _qwen3_moe(raw, num_layers)
+    return None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -133,6 +186,7 @@ class ModelConfig:
     dtype: str = "float32"  # what transformers assumes when a config names none
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
@@ -140,8 +194,8 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; only silu (SwiGLU) is supported")
-        if raw.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        if raw.get("use_sliding_window") or (arch == "mixtral" and raw.get("sliding_window")):
+            raise ValueError("sliding-window attention is not supported")
         hidden = int(_require(raw, "hidden_size"))
         heads = int(_require(raw, "num_attention_heads"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -155,14 +209,15 @@ class ModelConfig:
         if int(head_dim) % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         theta, scaling = _rope(raw)
-        bias = bool(raw.get("attention_bias", False))
+        bias = bool(raw.get("attention_bias", False)) and arch != "mixtral"  # Mixtral has none
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        num_layers = int(_require(raw, "num_hidden_layers"))
         return cls(
             architecture=arch,
             vocab_size=int(_require(raw, "vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(_require(raw, "intermediate_size")),
-            num_layers=int(_require(raw, "num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=int(head_dim),
@@ -174,10 +229,11 @@ class ModelConfig:
             attention_bias=True if arch == "qwen2" else bias,
             o_proj_bias=False if arch == "qwen2" else bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if arch == "llama" else False,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in _QK_NORM,
             dtype=normalize_dtype(dtype),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
+            moe=_moe(arch, raw, num_layers),
         )
 
     @classmethod
@@ -210,9 +266,11 @@ class ModelConfig:
         """Bytes of K and V for one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def num_params(self) -> int:
-        """Parameter count of the decoder as built by DecoderLM (tied embeddings counted once)."""
-        h, i = self.hidden_size, self.intermediate_size
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    def _attention_params(self) -> int:
+        h = self.hidden_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -220,8 +278,42 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_layers * layer + h + head
+        return attn
+
+    def _mlp_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        return 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+
+    def _ffn_params(self, layer: int, experts: int) -> int:
+        """Feed-forward parameters of `layer`; of an MoE layer, its router and `experts` experts."""
+        if self.moe is None or not self.is_moe_layer(layer):
+            return self._mlp_params()
+        return self.moe.num_experts * self.hidden_size + experts * 3 * self.hidden_size * self.moe.intermediate_size
+
+    def _params(self, experts: int, head: bool) -> int:
+        layers = sum(
+            self._attention_params() + self._ffn_params(layer, experts) + 2 * self.hidden_size
+            for layer in range(self.num_layers)
+        )
+        embed = self.vocab_size * self.hidden_size
+        return embed + layers + self.hidden_size + (embed if head else 0)
+
+    def num_params(self) -> int:
+        """Parameter count of the decoder as built by DecoderLM (tied embeddings counted once)."""
+        experts = self.moe.num_experts if self.moe else 0
+        return self._params(experts, head=not self.tie_word_embeddings)
+
+    def num_active_params(self) -> int:
+        """Parameters one token's matmuls use: top_k experts per MoE layer, the head, not the
+        embedding lookup (for FLOPs estimates)."""
+        experts = self.moe.top_k if self.moe else 0
+        return self._params(experts, head=True) - self.vocab_size * self.hidden_size
+
+    def ffn_activations_per_token(self) -> int:
+        """Elements one token's feed-forward holds at its peak: gate, up and their product (MoE:
+        for each of its top_k experts, with the copies of its hidden state in and out)."""
+        dense = 3 * self.intermediate_size
+        if self.moe is None:
+            return dense
+        routed = self.moe.top_k * (3 * self.moe.intermediate_size + 2 * self.hidden_size)
+        return max(routed, dense if self.moe.dense_layers else 0)

@@ -1,10 +1,12 @@
-"""Decoder-only transformer for Llama 3.x, Qwen2/2.5 and Qwen3 on a flattened token batch.
+"""Decoder-only transformer for Llama 3.x, Qwen2/2.5, Qwen3, Mixtral and Qwen3-MoE on a
+flattened token batch.
 
 The model owns no KV cache and computes no attention: each layer hands its post-norm, post-RoPE
 q/k/v to an injected `Attention` callable (the paged-KV backend in the engine, a dense causal one
-in tests). q/k/v and gate/up are fused into one Linear each (one matmul instead of three or two);
-`checkpoint_tensors` names every weight as Hugging Face does, the fused ones as row slices, so
-safetensors names still map one to one.
+in tests). q/k/v and gate/up are fused into one Linear each (one matmul instead of three or two),
+and a mixture-of-experts layer stacks its experts (moe.py); `checkpoint_tensors` names every
+weight as Hugging Face does, the fused and stacked ones as slices, so safetensors names still map
+one to one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .moe import SparseMoE
 
 Device = torch.device | str | None
 
@@ -120,12 +123,14 @@ class FusedLinear(nn.Linear):
         super().__init__(in_features, sum(parts.values()), bias=bias, **factory)
         self.parts = parts  # checkpoint name of each part -> its output features
 
-    def split(self, tensor: Tensor) -> Iterator[tuple[str, Tensor]]:
-        """(part name, row slice) of this layer's weight or bias: views that share its storage."""
-        start = 0
-        for name, size in self.parts.items():
-            yield name, tensor[start : start + size]
-            start += size
+    def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, Tensor]]:
+        """(name, row slice) of each part's weight, then bias: views that share this layer's
+        storage; `prefix` is the parent module's, e.g. "model.layers.0.self_attn."."""
+        for kind, tensor in self.named_parameters():
+            start = 0
+            for name, size in self.parts.items():
+                yield f"{prefix}{name}.{kind}", tensor[start : start + size]
+                start += size
 
 
 class SelfAttention(nn.Module):
@@ -170,7 +175,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.self_attn = SelfAttention(cfg, **factory)
-        self.mlp = MLP(cfg, **factory)
+        self.mlp = SparseMoE(cfg, **factory) if cfg.is_moe_layer(index) else MLP(cfg, **factory)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
 
@@ -211,16 +216,9 @@ class DecoderLM(nn.Module):
 
     def checkpoint_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every weight under its Hugging Face checkpoint name, in parameter order (a tied lm_head
-        once, as the embedding); fused weights as views of their rows, so writing one fills the model."""
-        fused = {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}
-        for name, p in self.named_parameters():
-            owner, _, kind = name.rpartition(".")
-            if owner not in fused:
-                yield name, p
-                continue
-            prefix = owner.rpartition(".")[0]
-            for part, view in fused[owner].split(p):
-                yield f"{prefix}.{part}.{kind}", view
+        once, as the embedding); fused and stacked weights as views of their slices, so writing
+        one fills the model."""
+        return _checkpoint_tensors(self, "", set())
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: Attention) -> Tensor:
         """input_ids, positions: [T] (many sequences flattened) -> final-norm hidden states [T, hidden]."""
@@ -233,6 +231,18 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _checkpoint_tensors(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, Tensor]]:
+    for name, p in module.named_parameters(recurse=False):
+        if id(p) not in seen:  # a tied lm_head is the embedding, already named
+            seen.add(id(p))
+            yield prefix + name, p
+    for name, child in module.named_children():
+        if isinstance(child, (FusedLinear, SparseMoE)):  # these name their own checkpoint tensors
+            yield from child.checkpoint_tensors(prefix)
+        else:
+            yield from _checkpoint_tensors(child, f"{prefix}{name}.", seen)
 
 
 @torch.no_grad()
