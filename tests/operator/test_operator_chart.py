@@ -126,10 +126,31 @@ def test_rbac_is_least_privilege(chart):
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert "secrets" not in rule["resources"]
-        assert "update" not in rule["verbs"] and "deletecollection" not in rule["verbs"]
+        assert "deletecollection" not in rule["verbs"]
+        if "update" in rule["verbs"]:  # only what OwnerReferencesPermissionEnforcement asks for
+            assert rule["resources"] == ["inferenceservices/finalizers"]
     resources = {r for rule in role["rules"] for r in rule["resources"]}
-    assert {"inferenceservices/status", "inferenceservices/scale", "deployments", "pods", "events"} <= resources
+    assert {"inferenceservices/status", "inferenceservices/scale", "inferenceservices/finalizers", "deployments",
+            "pods", "events"} <= resources  # fmt: skip
     assert "namespaces" not in resources  # all-namespaces mode does not watch namespaces
+
+
+def test_watching_namespaces_grants_roles_there_and_nothing_namespaced_cluster_wide(chart):
+    docs = render(chart, {"operator": {"watchNamespaces": ["team-a", "team-b"]}})
+    cluster = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert {r for rule in cluster["rules"] for r in rule["resources"]} == {"customresourcedefinitions", "namespaces"}
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"team-a", "team-b"}
+    default_rules = next(d for d in render(chart) if d["kind"] == "ClusterRole")["rules"]
+    assert roles["team-a"]["rules"] == default_rules[1:]  # the same namespaced rules, now per namespace
+    subject = bindings["team-b"]["subjects"][0]
+    assert (subject["kind"], subject["namespace"]) == ("ServiceAccount", "superinfer-system")
+    assert bindings["team-b"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                             "name": roles["team-b"]["metadata"]["name"]}  # fmt: skip
+    for doc in docs:
+        if doc["kind"] in ("Role", "RoleBinding"):
+            kubernetes_validate.validate(doc, "1.33", strict=True)
 
 
 def test_values_yaml_equals_the_model_defaults():
