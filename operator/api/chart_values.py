@@ -26,6 +26,22 @@ class CRDs(KubeModel):
     keep: bool = True
 
 
+class KeyRef(KubeModel):
+    name: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class PrometheusValues(KubeModel):
+    url: str = ""
+    """Prometheus (or Thanos/Mimir query frontend) for InferenceServices with autoscaling.metricsSource:
+    Prometheus, e.g. http://prometheus-operated.monitoring:9090. Empty: only pod scraping."""
+    bearer_token_secret: KeyRef | None = None
+    """Secret in the release namespace holding a bearer token for it."""
+    ca_config_map: KeyRef | None = None
+    """ConfigMap in the release namespace holding the CA bundle of its TLS certificate."""
+    insecure_skip_verify: bool = False
+
+
 class OperatorValues(KubeModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     watch_namespaces: list[str] = Field(default_factory=list)
@@ -41,6 +57,7 @@ class OperatorValues(KubeModel):
     tolerations: list[FreeObject] = Field(default_factory=list)
     affinity: FreeObject = Field(default_factory=dict)
     priority_class_name: str = ""
+    prometheus: PrometheusValues = Field(default_factory=PrometheusValues)
 
 
 class Engine(KubeModel):

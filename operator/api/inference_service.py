@@ -255,8 +255,10 @@ class AutoscalingSpec(KubeModel):
     initial_delay_seconds: int = Field(default=120, ge=0)
     min_requests: int = Field(default=20, ge=1)
     """Finished requests needed in the window before attainment is trusted."""
-    prometheus_url: str | None = None
-    """Read metrics from this Prometheus instead of scraping the pods."""
+    metrics_source: Literal["Pods", "Prometheus"] = "Pods"
+    """Pods: the operator scrapes each engine pod. Prometheus: it queries the Prometheus that the
+    cluster admin configured for the operator (chart value operator.prometheus.url), selecting this
+    service's series by namespace and inferenceservice label."""
     scale_up: ScaleUpSpec = _sub(ScaleUpSpec)
     scale_down: ScaleDownSpec = _sub(ScaleDownSpec)
 

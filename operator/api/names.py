@@ -18,6 +18,8 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_SERVICE = f"{GROUP}/inferenceservice"
+# The target label PodMonitors copy LABEL_SERVICE into, so PromQL can select one service.
+PROMETHEUS_SERVICE_LABEL = "inferenceservice"
 MANAGED_BY = "superinfer-operator"
 APP_NAME = "superinfer"
 COMPONENT_ENGINE = "engine"

@@ -92,6 +92,7 @@ class Observation:
     unschedulable: int  # of those, how many cannot be placed
     stats: WindowStats | None  # None when no pod could be scraped
     fresh: bool = True  # every ready pod was scraped recently
+    metrics_error: str = ""  # why there are no metrics, when it is known
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,12 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
     metrics = (
         Cond("MetricsAvailable", TRUE, "Scraped", f"metrics from {s.pods} pod(s)")
         if metrics_ok and s is not None
-        else Cond("MetricsAvailable", FALSE, "MetricsStale", "no fresh engine metrics from the ready pods")
+        else Cond(
+            "MetricsAvailable",
+            FALSE,
+            "MetricsStale",
+            obs.metrics_error or "no fresh engine metrics from the ready pods",
+        )
     )
     slo = _slo_cond(s, p)
     mode = "Advisory" if p.advisory else "Active"

@@ -1,23 +1,45 @@
 """The autoscaler's window from a Prometheus server instead of scraping the pods.
 
-The same WindowStats as scrape.Window produces, from instant PromQL queries over the window
-(verdicts, p90s and targets per SLO class as well as pooled).
+The same WindowStats as pod_metrics.Window produces, from instant PromQL queries over the window
+(verdicts, p90s and targets per SLO class as well as pooled). The server is the one the cluster
+admin configured for the operator, never a URL from a tenant's resource; series are selected by
+namespace and the `inferenceservice` label (added by the PodMonitors from the pod label), so two
+services serving the same model name never mix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl as ssl_module
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from superinfer.engine.contract import SLO_CLASS_LABEL, SLO_TARGET_GAUGE, metric
+from superinfer.operator.api.names import PROMETHEUS_SERVICE_LABEL as SERVICE_LABEL
 from superinfer.operator.autoscaling.pod_metrics import WindowStats, class_stats, ms, pooled, slo_class, slo_shares
 
 
-def queries(namespace: str, model: str, window_seconds: float) -> dict[str, str]:
-    sel = f'namespace="{namespace}", model_name="{model}"'
+@dataclass(frozen=True)
+class PrometheusSource:
+    url: str
+    bearer_token: str = ""
+    ca_file: str = ""  # verify the server against this CA bundle (default: the system's)
+    insecure_skip_verify: bool = False
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.bearer_token}"} if self.bearer_token else {}
+
+    def ssl(self) -> ssl_module.SSLContext | bool:
+        if self.insecure_skip_verify:
+            return False
+        return ssl_module.create_default_context(cafile=self.ca_file or None)
+
+
+def queries(namespace: str, service: str, window_seconds: float) -> dict[str, str]:
+    sel = f'namespace="{namespace}", {SERVICE_LABEL}="{service}"'
     w = f"{int(window_seconds)}s"
 
     def quantile(hist: str, by: str = "le") -> str:
@@ -93,13 +115,22 @@ def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: 
 
 
 async def window(
-    session: aiohttp.ClientSession, url: str, namespace: str, model: str, window_seconds: float, timeout: float
+    session: aiohttp.ClientSession,
+    source: PrometheusSource,
+    namespace: str,
+    service: str,
+    window_seconds: float,
+    timeout: float,
 ) -> WindowStats | None:
     """Query Prometheus; None when it cannot be reached or has nothing for this service."""
 
     async def one(expr: str) -> list[Mapping[str, Any]]:
         async with session.get(
-            url.rstrip("/") + "/api/v1/query", params={"query": expr}, timeout=aiohttp.ClientTimeout(total=timeout)
+            source.url.rstrip("/") + "/api/v1/query",
+            params={"query": expr},
+            headers=source.headers(),
+            ssl=source.ssl(),
+            timeout=aiohttp.ClientTimeout(total=timeout),
         ) as resp:
             resp.raise_for_status()
             body = await resp.json()
@@ -107,7 +138,7 @@ async def window(
             raise aiohttp.ClientError(body.get("error", "query failed"))
         return body["data"]["result"]
 
-    exprs = queries(namespace, model, window_seconds)
+    exprs = queries(namespace, service, window_seconds)
     try:
         values = await asyncio.gather(*(one(e) for e in exprs.values()))
     except (aiohttp.ClientError, asyncio.TimeoutError):

@@ -25,6 +25,10 @@ from superinfer.operator.controller.state import Scaler, State, pod_metrics_url
 from superinfer.operator.controller.timestamps import now_iso, parse_iso
 
 HISTORY = 10
+NO_PROMETHEUS = (
+    "autoscaling.metricsSource is Prometheus but the operator has no Prometheus configured "
+    "(chart value operator.prometheus.url, flag --prometheus-url)"
+)
 
 
 async def scrape_pods(
@@ -205,17 +209,28 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
     pods = await state.kube.list(PODS, ns, names.selector_labels(name))
     ready = [p for p in pods if conditions.is_pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
     served = spec.served_model_name(name)
-    if spec.autoscaling.prometheus_url:
-        async with aiohttp.ClientSession() as session:
-            stats = await prometheus_window.window(session, spec.autoscaling.prometheus_url, ns, served,
-                                      params.window_seconds, state.config.scrape_timeout)  # fmt: skip
+    metrics_error = ""
+    if spec.autoscaling.metrics_source == "Prometheus":
+        source = state.config.prometheus
+        stats = None
+        if source is None:
+            metrics_error = NO_PROMETHEUS
+        else:
+            async with aiohttp.ClientSession() as session:
+                stats = await prometheus_window.window(
+                    session, source, ns, name, params.window_seconds, state.config.scrape_timeout
+                )
+            if stats is None:
+                metrics_error = (
+                    f"Prometheus at {source.url} has no engine series for this service (or cannot be reached)"
+                )
         all_ok = stats is not None
     else:
         all_ok = await scrape_pods(ready, scaler, now, state.config.scrape_timeout, served, log)
         stats = scaler.window.stats(now, fresh_seconds=params.interval_seconds * 2 + state.config.scrape_timeout)
     if stats is not None and stats.running > 0 and stats.tbt_mean_ms:
         scaler.model.observe(stats.running / max(len(ready), 1), stats.tbt_mean_ms / 1000)
-    obs = observation(spec, pods, stats, all_ok, now)
+    obs = replace(observation(spec, pods, stats, all_ok, now), metrics_error=metrics_error)
     decision = decide(obs, params, scaler.memory, scaler.model)
     if decision.apply:
         failure = await write_scale(state, ns, name, obs.replicas, decision.target)

@@ -408,7 +408,7 @@ def render_podmonitor(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any
                     "port": names.METRICS_PORT_NAME,
                     "path": contract.METRICS_PATH,
                     "interval": "15s",
-                    "relabelings": [{"sourceLabels": [label_source], "targetLabel": "inferenceservice"}],
+                    "relabelings": [{"sourceLabels": [label_source], "targetLabel": names.PROMETHEUS_SERVICE_LABEL}],
                 }
             ],
         },

@@ -14,6 +14,7 @@ from superinfer.operator.api import names
 from superinfer.operator.autoscaling.decision import Memory
 from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import Window
+from superinfer.operator.autoscaling.prometheus_window import PrometheusSource
 from superinfer.operator.controller.conditions import Cond
 from superinfer.operator.controller.kube_client import Kube, Login
 from superinfer.operator.observability.operator_metrics import OperatorMetrics
@@ -40,6 +41,7 @@ class Config:
     podmonitor: Literal["auto", "always", "never"] = "auto"
     timer_interval: float = 5.0  # how often the autoscaler timer wakes (each service has its own interval)
     scrape_timeout: float = 3.0
+    prometheus: PrometheusSource | None = None  # for autoscaling.metricsSource: Prometheus
     clock: Callable[[], float] = time.time
 
 

@@ -16,6 +16,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.contract import exported_series_names
 from superinfer.operator import generate
 from superinfer.operator.api.chart_values import ChartValues
+from superinfer.operator.main import parse_args, prometheus_source
 from superinfer.operator.observability import dashboards, operator_metrics, promql
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,3 +260,22 @@ def test_operator_metric_names_match_what_prometheus_client_exports():
     text = generate_latest(m.registry).decode()
     exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     assert exported == operator_metrics.exported_names()
+
+
+def test_prometheus_for_the_autoscaler_is_configured_by_the_admin(chart):
+    values = {"operator": {"prometheus": {"url": "https://prom.monitoring:9090", "insecureSkipVerify": False,
+                                          "bearerTokenSecret": {"name": "prom", "key": "token"},
+                                          "caConfigMap": {"name": "prom-ca", "key": "ca.crt"}}}}  # fmt: skip
+    dep = next(d for d in render(chart, values) if d["kind"] == "Deployment")
+    kubernetes_validate.validate(dep, "1.33", strict=True)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert "--prometheus-url=https://prom.monitoring:9090" in c["args"]
+    assert "--prometheus-ca-file=/etc/superinfer/prometheus-ca/ca.crt" in c["args"]
+    token = next(e for e in c["env"] if e["name"] == "PROMETHEUS_BEARER_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "prom", "key": "token"}
+    assert {"name": "prometheus-ca", "configMap": {"name": "prom-ca"}} in pod["volumes"]
+    source = prometheus_source(parse_args([a for a in c["args"] if a.startswith("--prometheus")]))
+    assert source is not None and source.url == "https://prom.monitoring:9090"
+    plain = next(d for d in render(chart) if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--prometheus") for a in plain["args"])

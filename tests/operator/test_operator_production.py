@@ -108,3 +108,14 @@ async def test_child_watches_select_our_objects_on_the_server(running):
     assert all(w.params.get("labelSelector") == selector for w in watches)
     isvc_watches = list(running.kmock[km.action.WATCH, km.resource(ISVC_RES)])
     assert isvc_watches and not any(w.params.get("labelSelector") for w in isvc_watches)
+
+
+async def test_prometheus_is_the_admins_choice_not_the_tenants(running):
+    """A tenant can ask for Prometheus metrics but not name a server: with none configured for the
+    operator, the condition says where the admin sets it."""
+    await running.create_isvc("prom", {**AUTO, "autoscaling": {**AUTO["autoscaling"], "metricsSource": "Prometheus"}})
+    cond = await running.wait_condition("prom", "MetricsAvailable", status="False")
+    assert "operator.prometheus.url" in cond["message"]
+    await running.create_isvc("url", {**AUTO, "autoscaling": {**AUTO["autoscaling"], "prometheusUrl": "http://x"}})
+    invalid = await running.wait_condition("url", "Validated", status="False")
+    assert "prometheusUrl" in invalid["message"]

@@ -51,12 +51,15 @@ ANSWERS = {
 
 
 QUERIES = web.AppKey("queries", list)
+AUTH = web.AppKey("auth", str)
+TOKEN = "prom-token"
 ANSWERED = web.AppKey("answers", dict)
 
 
 async def fake_prometheus(request: web.Request) -> web.Response:
     query = request.query["query"]
-    assert 'namespace="prod", model_name="llama"' in query
+    assert 'namespace="prod", inferenceservice="llama"' in query  # the service, not a model name others share
+    assert request.headers.get("Authorization") == request.app[AUTH]
     assert "[120s]" in query or "[" not in query
     request.app[QUERIES].append(query)
     result = next((v for k, v in request.app[ANSWERED].items() if query.startswith(k)), None)
@@ -65,10 +68,15 @@ async def fake_prometheus(request: web.Request) -> web.Response:
     return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
 
 
+def source(url: str) -> prometheus_window.PrometheusSource:
+    return prometheus_window.PrometheusSource(url=url, bearer_token=TOKEN)
+
+
 async def serve(answers: dict = ANSWERS) -> tuple[web.AppRunner, str, list[str]]:
     app = web.Application()
     app[QUERIES] = []
     app[ANSWERED] = answers
+    app[AUTH] = f"Bearer {TOKEN}"
     app.router.add_get("/api/v1/query", fake_prometheus)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -82,7 +90,7 @@ async def test_window_from_prometheus_feeds_decide():
     runner, url, queries = await serve()
     try:
         async with aiohttp.ClientSession() as session:
-            stats = await prometheus_window.window(session, url, "prod", "llama", 120, timeout=5)
+            stats = await prometheus_window.window(session, source(url), "prod", "llama", 120, timeout=5)
     finally:
         await runner.cleanup()
     assert len(queries) == len(prometheus_window.queries("prod", "llama", 120))
@@ -120,7 +128,7 @@ async def test_a_source_without_class_labels_or_targets_is_one_default_class():
     runner, url, _ = await serve(answers)
     try:
         async with aiohttp.ClientSession() as session:
-            stats = await prometheus_window.window(session, url, "prod", "llama", 120, timeout=5)
+            stats = await prometheus_window.window(session, source(url), "prod", "llama", 120, timeout=5)
     finally:
         await runner.cleanup()
     assert stats is not None and list(stats.classes) == ["default"]
@@ -136,7 +144,10 @@ async def test_a_source_without_class_labels_or_targets_is_one_default_class():
 
 async def test_unreachable_prometheus_means_no_window():
     async with aiohttp.ClientSession() as session:
-        assert await prometheus_window.window(session, "http://127.0.0.1:9", "prod", "llama", 120, timeout=1) is None
+        assert (
+            await prometheus_window.window(session, source("http://127.0.0.1:9"), "prod", "llama", 120, timeout=1)
+            is None
+        )
     assert prometheus_window.build_stats({"pods": []}, 120) is None
 
 
