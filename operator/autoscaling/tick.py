@@ -10,7 +10,6 @@ from typing import Any
 
 import aiohttp
 
-from superinfer.operator.api import names
 from superinfer.operator.api.inference_service import MAX_SLO_CLASSES, InferenceServiceSpec
 from superinfer.operator.api.validation import validate
 from superinfer.operator.autoscaling import pod_metrics, prometheus_window
@@ -19,7 +18,7 @@ from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import WindowStats
 from superinfer.operator.controller import conditions, events
 from superinfer.operator.controller.conditions import FALSE, Cond
-from superinfer.operator.controller.kube_client import PODS, ApiError
+from superinfer.operator.controller.kube_client import ApiError
 from superinfer.operator.controller.reconcile import ISVC
 from superinfer.operator.controller.state import Scaler, State, pod_metrics_url
 from superinfer.operator.controller.timestamps import now_iso, parse_iso
@@ -206,7 +205,7 @@ async def tick(state: State, owner: Mapping[str, Any], log: logging.Logger) -> D
     if scaler.last_eval and now - scaler.last_eval < params.interval_seconds - 0.5:
         return None
     scaler.last_eval = now
-    pods = await state.kube.list(PODS, ns, names.selector_labels(name))
+    pods = await state.pods(ns, name)
     ready = [p for p in pods if conditions.is_pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
     served = spec.served_model_name(name)
     metrics_error = ""

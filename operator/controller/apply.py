@@ -91,14 +91,18 @@ def patch_for(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[st
     return deep_merge(dict(desired), removals(last, desired) or {})
 
 
-async def apply(kube: Kube, obj: Mapping[str, Any]) -> Action:
-    """Create the object, or patch it back to what we want; retries 409 conflicts."""
+async def apply(kube: Kube, obj: Mapping[str, Any], cached: Mapping[str, Any] | None = None) -> Action:
+    """Create the object, or patch it back to what we want; retries 409 conflicts.
+
+    `cached` is the object as the operator's watch last saw it (None: not seen); the first attempt
+    trusts it, and a conflict (it was stale) makes the retries read the API server.
+    """
     res = BY_KIND[obj["kind"]]
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     desired = with_last_applied(obj)
     for attempt in range(CONFLICT_RETRIES):
         try:
-            current = await kube.get(res, ns, name)
+            current = cached if attempt == 0 else await kube.get(res, ns, name)
             if current is None:
                 await kube.create(res, ns, desired)
                 return "created"

@@ -17,19 +17,14 @@ import kopf
 
 from superinfer.operator.api import names
 from superinfer.operator.autoscaling import tick
-from superinfer.operator.controller.kube_client import Kube
+from superinfer.operator.controller.kube_client import DEPLOYMENTS, PDBS, PODMONITORS, PODS, SERVICES, Kube
 from superinfer.operator.controller.reconcile import resync
-from superinfer.operator.controller.state import Config, State
+from superinfer.operator.controller.state import Config, State, index_name
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
-CHILD_RESOURCES = (
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("policy", "v1", "poddisruptionbudgets"),
-    ("monitoring.coreos.com", "v1", "podmonitors"),
-    ("", "v1", "pods"),
-)
-# Children and engine pods, selected by the API server (not filtered after a cluster-wide watch).
+CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, PDBS, PODMONITORS, PODS)
+# Children and engine pods, selected by the API server (not filtered after a cluster-wide watch),
+# indexed by owner so that a reconciliation reads them from memory instead of GET/LIST per event.
 CHILD_SELECTOR = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY},{names.LABEL_SERVICE}"
 log = logging.getLogger("superinfer.operator")
 
@@ -42,8 +37,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=names.ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    for group, _version, plural in CHILD_RESOURCES:
-        settings.watching.label_selectors[group, plural] = CHILD_SELECTOR
+    for res in CHILD_RESOURCES:
+        settings.watching.label_selectors[res.group, res.plural] = CHILD_SELECTOR
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
@@ -101,7 +96,8 @@ def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
     @kopf.on.resume(*RESOURCE, registry=registry)
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, registry=registry)
-    async def reconcile(body: kopf.Body, **_: Any) -> None:
+    async def reconcile(body: kopf.Body, **kwargs: Any) -> None:
+        capture_indexes(state, kwargs)
         key = _key(body)
         try:
             rejected = await resync(state, *key)
@@ -113,7 +109,8 @@ def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
             raise kopf.PermanentError(rejected)
 
     @kopf.on.event(*RESOURCE, registry=registry)
-    async def track(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+    async def track(event: kopf.RawEvent, body: kopf.Body, **kwargs: Any) -> None:
+        capture_indexes(state, kwargs)
         key = _key(body)
         if event.get("type") == "DELETED":
             state.forget(key)
@@ -122,11 +119,31 @@ def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
         else:
             state.autoscaled.pop(key, None)
 
-    async def child_event(body: kopf.Body, **_: Any) -> None:
-        owner = (body.metadata.labels or {}).get(names.LABEL_SERVICE)
-        if owner and body.metadata.namespace:
-            await resync(state, body.metadata.namespace, owner)
+    async def child_event(body: kopf.Body, **kwargs: Any) -> None:
+        capture_indexes(state, kwargs)
+        owner = owner_key(body)
+        if owner is not None:
+            await resync(state, *owner)
 
-    for group, version, plural in CHILD_RESOURCES:
-        kopf.on.event(group, version, plural, id=f"child-{plural}", registry=registry)(child_event)
+    for res in CHILD_RESOURCES:
+        group, version = res.group_version
+        kopf.index(group, version, res.plural, id=index_name(res), registry=registry)(by_owner)
+        kopf.on.event(group, version, res.plural, id=f"child-{res.plural}", registry=registry)(child_event)
     return registry, state
+
+
+def owner_key(body: kopf.Body) -> tuple[str, str] | None:
+    owner = (body.metadata.labels or {}).get(names.LABEL_SERVICE)
+    return (body.metadata.namespace, owner) if owner and body.metadata.namespace else None
+
+
+def by_owner(body: kopf.Body, **_: Any) -> dict[tuple[str, str], kopf.Body] | None:
+    """Index function: children and engine pods by (namespace, owner name)."""
+    key = owner_key(body)
+    return {key: body} if key else None
+
+
+def capture_indexes(state: State, kwargs: dict[str, Any]) -> None:
+    """Kopf hands its live indexes only to handlers; keep them for the autoscaler loop and resync."""
+    if state.indexes is None:
+        state.indexes = {index_name(res): kwargs[index_name(res)] for res in CHILD_RESOURCES}

@@ -23,6 +23,14 @@ class Res:
     plural: str
     namespaced: bool = True
 
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def group_version(self) -> tuple[str, str]:
+        return self.group, self.api_version.rpartition("/")[2]
+
     def path(self, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
         base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
         if self.namespaced and namespace:

@@ -19,7 +19,7 @@ from superinfer.operator.api.validation import validate
 from superinfer.operator.controller import conditions, events
 from superinfer.operator.controller.apply import apply
 from superinfer.operator.controller.conditions import Observed
-from superinfer.operator.controller.kube_client import DEPLOYMENTS, PODMONITORS, PODS, SERVICES, ApiError, Res
+from superinfer.operator.controller.kube_client import BY_KIND, DEPLOYMENTS, PODMONITORS, SERVICES, ApiError, Res
 from superinfer.operator.controller.render import Context, render, service_url
 from superinfer.operator.controller.state import State
 from superinfer.operator.controller.timestamps import now_iso
@@ -44,7 +44,7 @@ async def apply_children(state: State, owner: Mapping[str, Any], spec: Inference
     kopf.adopt(children, owner=owner)  # owner reference, namespace, owner's labels
     for child in children:
         try:
-            action = await apply(state.kube, child)
+            action = await apply(state.kube, child, await state.child(BY_KIND[child["kind"]], ctx.namespace, ctx.name))
         except ApiError as exc:
             if exc.status not in (400, 422):
                 raise
@@ -53,7 +53,7 @@ async def apply_children(state: State, owner: Mapping[str, Any], spec: Inference
             reason = f"{child['kind']}{action.capitalize()}"
             await events.post(state.kube, owner, reason, f"{child['kind']} {action}", state.config.clock())
     if ctx.podmonitor_api and not spec.monitoring.pod_monitor:
-        existing = await state.kube.get(PODMONITORS, ctx.namespace, ctx.name)
+        existing = await state.child(PODMONITORS, ctx.namespace, ctx.name)
         if existing is not None and _owned_by(existing, owner):
             await state.kube.delete(PODMONITORS, ctx.namespace, ctx.name)
     return ""
@@ -69,11 +69,11 @@ def rejection(kind: str, message: str) -> str:
 async def observe(state: State, owner: Mapping[str, Any], spec: InferenceServiceSpec | None) -> Observed:
     meta = owner["metadata"]
     ns, name = meta["namespace"], meta["name"]
-    deployment = await state.kube.get(DEPLOYMENTS, ns, name)
+    deployment = await state.child(DEPLOYMENTS, ns, name)
     if deployment is not None and not _owned_by(deployment, owner):
         deployment = None
-    pods = await state.kube.list(PODS, ns, names.selector_labels(name))
-    service = await state.kube.get(SERVICES, ns, name)
+    pods = await state.pods(ns, name)
+    service = await state.child(SERVICES, ns, name)
     scaler = state.scalers.get((ns, name))
     autoscaling = spec is not None and spec.autoscaling.enabled
     return Observed(

@@ -16,7 +16,7 @@ from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import Window
 from superinfer.operator.autoscaling.prometheus_window import PrometheusSource
 from superinfer.operator.controller.conditions import Cond
-from superinfer.operator.controller.kube_client import Kube, Login
+from superinfer.operator.controller.kube_client import PODS, Kube, Login, Res
 from superinfer.operator.observability.operator_metrics import OperatorMetrics
 
 
@@ -32,6 +32,11 @@ def pod_metrics_url(pod: Mapping[str, Any]) -> str | None:
                 port = int(p["containerPort"])
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}{contract.METRICS_PATH}"
+
+
+def index_name(res: Res) -> str:
+    """The Kopf index (a handler keyword argument) holding one kind of child by owner."""
+    return f"{res.plural}_by_owner"
 
 
 @dataclass
@@ -69,7 +74,22 @@ class State:
     locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     scalers: dict[tuple[str, str], Scaler] = field(default_factory=dict)
     autoscaled: dict[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)  # latest bodies
+    # Kopf's live indexes of children and engine pods by (namespace, owner name), from the watches
+    # the operator runs anyway; captured from the first handler that receives them.
+    indexes: Mapping[str, Any] | None = None
     _podmonitor_api: tuple[float, bool] | None = None
+
+    async def child(self, res: Res, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """A child (named like its owner) as the watch last saw it; from the API before indexing."""
+        if self.indexes is None:
+            return await self.kube.get(res, namespace, name)
+        return next(iter(self.indexes[index_name(res)].get((namespace, name), [])), None)
+
+    async def pods(self, namespace: str, owner: str) -> list[Mapping[str, Any]]:
+        """The owner's engine pods as the watch last saw them; from the API before indexing."""
+        if self.indexes is None:
+            return await self.kube.list(PODS, namespace, names.selector_labels(owner))
+        return list(self.indexes[index_name(PODS)].get((namespace, owner), []))
 
     async def podmonitor_api(self) -> bool:
         """Whether PodMonitors can be created (checked at most once a minute)."""

@@ -10,10 +10,11 @@ import kmock as km
 import pytest
 
 from superinfer.operator.api import names
-from superinfer.operator.controller.kube_client import ApiError
+from superinfer.operator.controller.kube_client import PODS, ApiError
 from superinfer.operator.controller.reconcile import ISVC
 from superinfer.operator.controller.timestamps import now_iso
 from tests.operator.conftest import ISVC_RES, eventually, isvc
+from tests.operator.test_operator_kmock import pod
 
 DEP = "apps/v1/deployments"
 TINY = {"model": {"uri": "preset://tiny"}, "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"}}
@@ -119,3 +120,16 @@ async def test_prometheus_is_the_admins_choice_not_the_tenants(running):
     await running.create_isvc("url", {**AUTO, "autoscaling": {**AUTO["autoscaling"], "prometheusUrl": "http://x"}})
     invalid = await running.wait_condition("url", "Validated", status="False")
     assert "prometheusUrl" in invalid["message"]
+
+
+async def test_reconciling_reads_children_from_the_watch_not_the_api(running):
+    await running.create_isvc("tiny", TINY)
+    await running.wait_condition("tiny", "Validated", status="True")
+    await eventually(lambda: running.obj(DEP, "tiny"))
+    for n in range(3):  # pod events, each a reconciliation
+        await running.api.create(PODS, "default", pod(f"tiny-{n}", "tiny", ready=True))
+    await eventually(lambda: "in 3 pod(s)" in running.condition("tiny", "ModelReady")["message"])
+    by_operator = [r for r in running.kmock if "kopf" not in r.headers.get("User-Agent", "")]
+    reads = [(r.method, r.resource.plural, r.name) for r in by_operator
+             if r.resource is not None and r.method == "GET" and r.resource.plural != names.PLURAL]  # fmt: skip
+    assert reads == [], reads  # no GET of a child, no LIST of pods: Kopf's indexes answer
