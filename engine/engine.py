@@ -114,6 +114,7 @@ class EngineCore:
         size = config.tensor_parallel_size
         if size > 1:  # the config first: a model that cannot be split fails before any process starts
             check_fits(model_config(config.model, config.revision, config.download_dir, config.offline), size)
+            resolve_device(config.device, size - 1)  # on CUDA: a GPU for every rank
             self.workers = Workers(config, size)
         try:
             self._build(config, clock, streams)

@@ -26,7 +26,8 @@ log = logging.getLogger("superinfer.engine")
 
 
 def resolve_device(name: str, rank: int = 0) -> torch.device:
-    """The device of `rank`: "cuda" and "auto" (with CUDA) start at GPU 0, "cuda:N" at GPU N."""
+    """The device of `rank`: the one named for rank 0, and on CUDA the next GPUs for the others
+    ("cuda" and "auto" start at GPU 0, "cuda:N" at GPU N)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
@@ -34,6 +35,8 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
         return device
     if not torch.cuda.is_available():
         raise ValueError(f"--device {name}: no CUDA device is available on this machine")
+    if rank == 0:
+        return device
     index = (device.index or 0) + rank
     if index >= torch.cuda.device_count():
         raise ValueError(
