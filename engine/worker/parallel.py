@@ -41,8 +41,7 @@ import torch.multiprocessing as mp
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.model.sharding import TensorParallel
-from superinfer.engine.worker.rank import RankMemory, kv_block_bytes, load_shard, make_runner, num_kv_blocks
-from superinfer.engine.worker.rank import resolve_device as rank_device
+from superinfer.engine.worker.rank import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
 from superinfer.engine.worker.runner import ModelRunner, SubmittedStep
 
 log = logging.getLogger("superinfer.parallel")
@@ -98,7 +97,6 @@ class Workers:
             self.pipes.append(here)
         self._collected = 0  # the newest step rank 0 has collected
         self._closing = False
-        self._watcher: threading.Thread | None = None
 
     # --- startup -------------------------------------------------------------------------------
     def join(self, device: torch.device) -> TensorParallel:
@@ -159,8 +157,7 @@ class Workers:
                 log.error("tensor-parallel worker died: %s", self._dead())
                 on_death(WorkerDied(f"tensor-parallel worker died: {self._dead()}"))
 
-        self._watcher = threading.Thread(target=run, name="superinfer-tp-watch", daemon=True)
-        self._watcher.start()
+        threading.Thread(target=run, name="superinfer-tp-watch", daemon=True).start()
 
     @property
     def alive(self) -> bool:
@@ -210,7 +207,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, pipe: Co
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s")
     try:
-        device = rank_device(config.device, rank)
+        device = resolve_device(config.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         pipe.send(("started",))
@@ -250,7 +247,3 @@ def serve_plans(runner: ModelRunner, pipe: Connection) -> None:
         in_flight.append(runner.submit(plan))
     while in_flight:
         runner.collect(in_flight.popleft())
-
-
-def memory_log(memory: list[RankMemory]) -> str:
-    return "; ".join(m.describe() for m in memory)
