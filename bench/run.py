@@ -1,6 +1,6 @@
 """Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
 
-python -m bench.run            # CPU: peer, sched, slo, ragged (tiny model), moe (small MoE models)
+python -m bench.run            # CPU: peer, sched, slo, ragged (tiny model), moe (small MoE models), tp (tiny, -tp 2)
 python -m bench.run --gpu      # GPU: step, copy, slo (llama-3-8b dummy weights), GPU tests
 """
 
@@ -10,7 +10,7 @@ import argparse
 import subprocess
 import sys
 
-CPU = [["bench.peer"], ["bench.sched"], ["bench.slo"], ["bench.ragged"], ["bench.moe"]]
+CPU = [["bench.peer"], ["bench.sched"], ["bench.slo"], ["bench.ragged"], ["bench.moe"], ["bench.tp"]]
 GPU = [
     ["pytest", "-q", "-m", "gpu", "tests"],
     ["bench.step", "--device", "cuda"],

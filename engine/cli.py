@@ -31,15 +31,18 @@ def _flag_type(annotation: Any) -> tuple[type | None, tuple | None]:
     return annotation, None
 
 
+SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in EngineConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])]
         kind, choices = _flag_type(field.annotation)
         help_text = f"{field.description or ''} (default: {field.default})".strip()
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, choices=choices, default=None, help=help_text)
+            parser.add_argument(*flags, dest=name, type=kind, choices=choices, default=None, help=help_text)
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -107,9 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
     try:
         if args.command == "serve":
+            from superinfer.engine.engine import EngineDeadError
             from superinfer.engine.server import serve
 
-            asyncio.run(serve(engine_config(args)))
+            try:
+                asyncio.run(serve(engine_config(args)))
+            except EngineDeadError as exc:
+                print(f"superinfer: {exc}", file=sys.stderr)
+                return 1
         elif args.command == "download":
             from superinfer.engine.download import hub_ref, model_snapshot
 

@@ -37,7 +37,16 @@ class EngineConfig(BaseModel):
     dummy_weights: bool = Field(False, description="random weights of the model's architecture")
     seed: int = 0
     torch_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads (default: OMP_NUM_THREADS, else all cores but one, at least 1)"
+        None,
+        ge=1,
+        description="torch CPU threads of each rank (default: OMP_NUM_THREADS, else all cores but one, at least 1, "
+        "shared by the tensor-parallel ranks)",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="split the model over this many devices (one process per rank, Megatron style; on CUDA "
+        "GPUs --device onwards)",
     )
 
     # KV cache

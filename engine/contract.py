@@ -54,6 +54,8 @@ SERVE_FLAGS = (
     "--no-dummy-weights",
     "--seed",
     "--torch-threads",
+    "--tensor-parallel-size",
+    "-tp",
     "--block-size",
     "--gpu-memory-utilization",
     "--num-gpu-blocks",

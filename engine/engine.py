@@ -28,33 +28,26 @@ from superinfer.engine.core.policies import RotaryParams, make_policy
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.metrics import EngineMetrics
-from superinfer.engine.model.loader import LoadedModel, load_model
+from superinfer.engine.model.loader import model_config
+from superinfer.engine.model.sharding import TensorParallel, check_fits
 from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo import SLO
 from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from superinfer.engine.worker.attention import allocate_kv_cache
 from superinfer.engine.worker.host_memory import (
     HOST_FRACTION,
     MAX_HOST_FRACTION,
     available_host_bytes,
     default_tier_bytes,
 )
-from superinfer.engine.worker.runner import ModelRunner, StepOutput, SubmittedStep, TokenLogprob, torch_threads
+from superinfer.engine.worker.parallel import Workers
+from superinfer.engine.worker.rank import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
+from superinfer.engine.worker.runner import StepOutput, SubmittedStep, TokenLogprob
 from superinfer.engine.worker.streams import Streams
 
 log = logging.getLogger("superinfer.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available on this machine")
-    return device
 
 
 def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
@@ -65,36 +58,17 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
     return DTYPES.get(model_dtype, torch.bfloat16)
 
 
-def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, device: torch.device) -> int:
-    """How many KV blocks fit: the override, else the free device memory under the budget."""
-    if config.num_gpu_blocks is not None:
-        return config.num_gpu_blocks
-    if device.type != "cuda":
-        return max(1, int(config.kv_cache_gib_cpu_device * (1 << 30)) // block_bytes)
-    free, total = torch.cuda.mem_get_info(device)
-    mc, dtype_bytes = loaded.config, 4
-    # Peak activations of the largest step plus the sampler's float32 logits work space.
-    activations = config.max_num_batched_tokens * (4 * mc.hidden_size + mc.ffn_activations_per_token()) * dtype_bytes
-    logits = config.max_num_seqs * mc.vocab_size * 4 * 4
-    budget = total * config.gpu_memory_utilization - (total - free) - activations - logits - (256 << 20)
-    if budget < block_bytes:
-        raise ValueError(
-            f"no memory left for the KV cache on {device}: {free / 2**30:.1f} GiB free of "
-            f"{total / 2**30:.1f} GiB after loading the model; raise --gpu-memory-utilization "
-            "or lower --max-num-batched-tokens / --max-num-seqs"
-        )
-    return int(budget // block_bytes)
-
-
 CPU_MODEL_TIER_BYTES = 4 << 30
 
 
-def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: int, device: torch.device) -> int:
-    """Blocks of the CPU tier: the overrides, else (policies that rotate) a share of the host's
-    available memory, at least the GPU pool's size when memory allows (see default_tier_bytes).
-    With the model on the CPU the "GPU pool" is host memory too: the tier defaults to 4 GiB (the
-    pool's size if larger), at most a quarter of the available memory; its pages are only
-    committed as blocks are written."""
+def num_cpu_tier_blocks(
+    config: EngineConfig, block_bytes: int, num_gpu_blocks: int, device: torch.device, ranks: int = 1
+) -> int:
+    """Blocks of the CPU tier (of each rank's, `block_bytes` each): the overrides, else (policies
+    that rotate) a share of the host's available memory, at least the GPU pool's size when memory
+    allows (see default_tier_bytes). With the model on the CPU the "GPU pool" is host memory too:
+    the tier defaults to 4 GiB (the pool's size if larger), at most a quarter of the available
+    memory over all ranks; its pages are only committed as blocks are written."""
     if config.num_cpu_blocks is not None:
         return config.num_cpu_blocks
     if config.cpu_kv_gib is not None:
@@ -107,8 +81,8 @@ def num_cpu_tier_blocks(config: EngineConfig, block_bytes: int, num_gpu_blocks: 
         tier = default_tier_bytes(available, pool, gpus)
         rule = f"max({HOST_FRACTION:g} x share, min(pool, {MAX_HOST_FRACTION:g} x share)), share over {gpus} GPU(s)"
     else:  # pool and tier share the host: a rotation tier several times a small pool, within reason
-        tier = min(max(pool, CPU_MODEL_TIER_BYTES), available // 4)
-        rule = "min(max(pool, 4 GiB), available / 4)"
+        tier = min(max(pool, CPU_MODEL_TIER_BYTES), available // (4 * ranks))
+        rule = "min(max(pool, 4 GiB), available / 4)" + (f" / {ranks} ranks" if ranks > 1 else "")
     log.info(
         "CPU KV tier sized automatically (--cpu-kv-gib overrides): %.2f GiB from %.2f GiB of available host "
         "memory and a %.2f GiB KV pool: %s",
@@ -130,21 +104,27 @@ class EngineCore:
     def __init__(
         self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, streams: Streams | None = None
     ) -> None:
-        """`streams`: where device work runs (default: CUDA streams on a GPU, at once on the host)."""
+        """`streams`: where device work runs (default: CUDA streams on a GPU, at once on the host).
+        With --tensor-parallel-size N > 1 the other N - 1 ranks start in worker processes of their
+        own (worker/parallel.py); `close` stops them."""
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
-        torch.set_num_threads(torch_threads(config.torch_threads))
-        torch.manual_seed(config.seed)
-        loaded = load_model(
-            config.model,
-            dtype=None if config.dtype == "auto" else config.dtype,
-            device=str(self.device),
-            dummy=config.dummy_weights,
-            revision=config.revision,
-            download_dir=config.download_dir,
-            offline=config.offline,
-        )
+        self.workers: Workers | None = None
+        size = config.tensor_parallel_size
+        if size > 1:  # the config first: a model that cannot be split fails before any process starts
+            check_fits(model_config(config.model, config.revision, config.download_dir, config.offline), size)
+            resolve_device(config.device, size - 1)  # on CUDA: a GPU for every rank
+            self.workers = Workers(config, size)
+        try:
+            self._build(config, clock, streams)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, clock: Callable[[], float], streams: Streams | None) -> None:
+        tp = self.workers.join(self.device) if self.workers is not None else TensorParallel()
+        loaded = load_shard(config, self.device, tp)
         mc = self.model_config = loaded.config
         self.model_path = loaded.path
         self.dtype = next(loaded.model.parameters()).dtype
@@ -158,23 +138,21 @@ class EngineCore:
             )
 
         bs = config.block_size
-        block_bytes = mc.kv_bytes_per_token(self.dtype.itemsize) * bs
+        block_bytes = kv_block_bytes(loaded, bs)
         num_blocks = num_kv_blocks(config, loaded, block_bytes, self.device)
-        num_cpu_blocks = num_cpu_tier_blocks(config, block_bytes, num_blocks, self.device)
-        shape = (mc.num_layers, bs, mc.num_kv_heads, mc.head_dim)
-        kv_cache = allocate_kv_cache(num_blocks, *shape, self.dtype, self.device)
-        cpu_cache = None
-        if num_cpu_blocks:
-            t0 = time.perf_counter()
-            pin = self.device.type == "cuda"
-            cpu_cache = allocate_kv_cache(num_cpu_blocks, *shape, self.dtype, "cpu", pin_memory=pin)
-            log.info(
-                "CPU KV tier: %d blocks, %.2f GiB of %s host memory (%.1f s)",
-                num_cpu_blocks,
-                num_cpu_blocks * block_bytes / 2**30,
-                "pinned" if pin else "plain",
-                time.perf_counter() - t0,
-            )
+        if self.workers is not None:  # the same block ids on every rank: the smallest pool
+            num_blocks = min(num_blocks, *(blocks for (blocks,) in self.workers.receive("loaded")))
+        num_cpu_blocks = num_cpu_tier_blocks(config, block_bytes, num_blocks, self.device, tp.size)
+        if self.workers is not None:
+            self.workers.send("cache", num_blocks, num_cpu_blocks)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size) if self.tokenizer else None
+        self.runner, memory = make_runner(
+            config, loaded, self.device, num_blocks, num_cpu_blocks, streams, self.grammars
+        )
+        ranks = [memory]
+        if self.workers is not None:
+            ranks += [m for (m,) in self.workers.receive("ready")]
+        log.info("memory per rank: %s", "; ".join(m.describe() for m in ranks))
         if config.policy != "fcfs" and num_cpu_blocks < num_blocks:
             log.warning(
                 "the CPU KV tier (%d blocks) is smaller than the GPU KV pool (%d blocks): when it is full, "
@@ -182,7 +160,7 @@ class EngineCore:
                 num_cpu_blocks,
                 num_blocks,
             )
-        self.block_bytes = block_bytes
+        self.block_bytes = block_bytes * tp.size  # a block's bytes over all ranks (what its copies move)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_cpu_blocks)
         rotary = RotaryParams(
             config.rotary_alpha,
@@ -203,17 +181,6 @@ class EngineCore:
             self.kv,
             make_policy(config.policy, rotary, num_blocks),
             clock,
-        )
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size) if self.tokenizer else None
-        self.runner = ModelRunner(
-            loaded.model,
-            kv_cache,
-            bs,
-            mc.head_dim**-0.5,
-            cpu_cache,
-            duplex=config.duplex,
-            streams=streams,
-            grammars=self.grammars,
         )
         if num_cpu_blocks and config.transfer_budget_blocks < self.kv.blocks_for(self.max_model_len):
             log.warning(
@@ -237,6 +204,7 @@ class EngineCore:
                 "num_gpu_blocks": str(num_blocks),
                 "num_cpu_blocks": str(num_cpu_blocks),
                 "architecture": mc.architecture,
+                "tensor_parallel_size": str(tp.size),
             },
         )
         self._live: dict[str, _Live] = {}
@@ -245,15 +213,21 @@ class EngineCore:
         )
         self._in_flight: SubmittedStep | None = None
         log.info(
-            "engine ready: %s on %s (%s), policy %s, %d GPU + %d CPU KV blocks of %d tokens",
+            "engine ready: %s on %s (%s%s), policy %s, %d GPU + %d CPU KV blocks of %d tokens",
             config.model,
             self.device,
             self.dtype,
+            f", tensor parallel {tp.size}" if tp.size > 1 else "",
             config.policy,
             num_blocks,
             num_cpu_blocks,
             bs,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.close()
 
     # --- requests ----------------------------------------------------------------------------
     def validate(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
@@ -314,9 +288,19 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule and submit a step, then collect the step in flight before it (async
         scheduling) or this one. Returns the outputs of the steps collected."""
+        try:
+            return self._step()
+        except Exception as exc:
+            if self.workers is not None:
+                self.workers.check(exc)  # a lost rank is the reason to report
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
+        if self.workers is not None:
+            self.workers.submit(plan)
         submitted = self.runner.submit(plan)
         phases = {"schedule": t1 - t0, "submit": time.perf_counter() - t1}
         previous, self._in_flight = self._in_flight, submitted
@@ -332,6 +316,8 @@ class EngineCore:
     def _collect(self, step: SubmittedStep, phases: dict[str, float]) -> list[RequestOutput]:
         t0 = time.perf_counter()
         result = self.runner.collect(step)
+        if self.workers is not None:
+            self.workers.collected(step.plan.step_id)
         return self.complete(step.plan, result, {**phases, "wait": time.perf_counter() - t0})
 
     def complete(self, plan: StepPlan, result: StepOutput, phase_seconds: dict[str, float]) -> list[RequestOutput]:
@@ -397,6 +383,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.died = asyncio.Event()  # set (on the event loop) once `error` is
         # Requests held back until the request they share a prompt with has computed it, so that
         # they find its KV in the prefix cache instead of computing it again (n > 1).
         self._held: dict[str, list[tuple]] = {}
@@ -409,12 +396,33 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="superinfer-engine", daemon=True)
         self._thread.start()
+        if self.core.workers is not None:
+            self.core.workers.watch(self.fail)
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Stop the engine thread (after its current step; at most `timeout_s` if given: a thread
+        blocked on a dead device is left behind), then the core's worker processes."""
         if self._thread is not None:
             self._commands.put(("stop",))
-            await asyncio.to_thread(self._thread.join)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._thread.join), timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("the engine thread did not stop within %.0f s: left behind", timeout_s)
             self._thread = None
+        self.core.close()
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop serving after a fatal error (from any thread): every live request gets an
+        EngineDeadError and new ones are refused."""
+        if self.error is not None:
+            return
+        self.error = exc
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_live, exc)
+
+    def _fail_live(self, exc: BaseException) -> None:
+        self._dispatch([(rid, EngineDeadError(f"the engine failed: {exc}")) for rid in list(self._streams)])
+        self.died.set()
 
     async def generate(
         self,
@@ -475,8 +483,7 @@ class AsyncEngine:
                 outputs = self.core.step()
             except Exception as exc:  # a broken step: fail every live request, stop serving
                 log.exception("engine step failed")
-                self.error = exc
-                self._deliver([(rid, EngineDeadError(f"engine step failed: {exc}")) for rid in list(self._streams)])
+                self.fail(exc)
                 return
             self._deliver([(o.request_id, o) for o in outputs])
             if self._held:

@@ -558,9 +558,9 @@ class RunningServer:
         while self.server.engine.num_live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float | None = None) -> None:
         await self.runner.cleanup()
-        await self.server.engine.stop()
+        await self.server.engine.stop(timeout_s)
 
 
 async def start_server(config: EngineConfig, core: EngineCore | None = None) -> RunningServer:
@@ -576,15 +576,30 @@ async def start_server(config: EngineConfig, core: EngineCore | None = None) -> 
     return RunningServer(server, runner, port)
 
 
+DEAD_ENGINE_GRACE_S = 5.0  # a dead engine's live requests get their 503 within this, then the process exits
+
+
 async def serve(config: EngineConfig) -> None:
-    """Run until SIGTERM/SIGINT, then drain: finish live requests, up to the shutdown timeout."""
+    """Run until SIGTERM/SIGINT, then drain: finish live requests, up to the shutdown timeout.
+    If the engine dies (a failed step, a lost tensor-parallel worker), the live requests and any
+    new ones get 503, and the server stops and raises EngineDeadError (the CLI exits non-zero)."""
     running = await start_server(config)
     log.info("serving %r on %s", config.model_name, running.url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    engine = running.server.engine
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(engine.died.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    if engine.error is not None:
+        log.error("the engine failed (%s): stopping the server", engine.error)
+        running.server.draining = True
+        await running.drain(DEAD_ENGINE_GRACE_S)  # the live requests already have their error
+        await running.close(timeout_s=DEAD_ENGINE_GRACE_S)
+        raise EngineDeadError(f"the engine failed: {engine.error}")
     log.info("draining (up to %.0f s)", config.shutdown_timeout_s)
     await running.drain(config.shutdown_timeout_s)
     await running.close()

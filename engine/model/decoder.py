@@ -6,7 +6,7 @@ q/k/v to an injected `Attention` callable (the paged-KV backend in the engine, a
 in tests). q/k/v and gate/up are fused into one Linear each (one matmul instead of three or two),
 and a mixture-of-experts layer stacks its experts (moe.py); `checkpoint_tensors` names every
 weight as Hugging Face does, the fused and stacked ones as slices, so safetensors names still map
-one to one.
+one to one. With tensor parallelism (sharding.py) each rank builds only its part of every layer.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from .config import ModelConfig
 from .moe import SparseMoE
+from .sharding import CheckpointTensor, Shard, TensorParallel, held
 
 Device = torch.device | str | None
 
@@ -117,31 +119,89 @@ class RMSNorm(nn.Module):
 
 
 class FusedLinear(nn.Linear):
-    """Several Linear layers over the same input as one: their weights stacked row-wise, in order."""
+    """Several Linear layers over the same input as one: their weights stacked row-wise, in order.
+    Column-parallel: each part holds its shard's output features (all of them on one device)."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, **factory: Any) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias, **factory)
-        self.parts = parts  # checkpoint name of each part -> its output features
+    def __init__(self, in_features: int, parts: dict[str, Shard], bias: bool, **factory: Any) -> None:
+        super().__init__(in_features, sum(p.length for p in parts.values()), bias=bias, **factory)
+        self.parts = parts  # checkpoint name of each part -> its output features held here
 
-    def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, Tensor]]:
-        """(name, row slice) of each part's weight, then bias: views that share this layer's
-        storage; `prefix` is the parent module's, e.g. "model.layers.0.self_attn."."""
+    def checkpoint_tensors(self, prefix: str) -> Iterator[CheckpointTensor]:
+        """Each part's weight, then bias, as a row slice that shares this layer's storage; `prefix`
+        is the parent module's, e.g. "model.layers.0.self_attn."."""
         for kind, tensor in self.named_parameters():
             start = 0
-            for name, size in self.parts.items():
-                yield f"{prefix}{name}.{kind}", tensor[start : start + size]
-                start += size
+            for name, part in self.parts.items():
+                yield held(f"{prefix}{name}.{kind}", tensor[start : start + part.length], part)
+                start += part.length
+
+
+class RowParallelLinear(nn.Linear):
+    """A Linear whose input features are split over the ranks (`part` of them here): the partial
+    products are summed over the ranks, then the bias is added once."""
+
+    def __init__(self, part: Shard, out_features: int, bias: bool, tp: TensorParallel, **factory: Any) -> None:
+        super().__init__(part.length, out_features, bias=bias, **factory)
+        self.tp = tp
+        self.shards = {"weight": part.along(1)}
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Embedding):
+    """The embedding rows of this rank's slice of the vocabulary; other tokens embed as zeros here
+    and are summed in from the rank that holds them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel, **factory: Any) -> None:
+        part, rows = tp.vocab(vocab_size)
+        weight = torch.empty(rows, hidden_size, **factory)
+        if weight.device.type != "meta":  # normal_ on meta imports torch._dynamo: seconds for nothing
+            nn.init.normal_(weight)
+        super().__init__(rows, hidden_size, _weight=weight)
+        self.tp, self.part = tp, part
+        self.shards = {"weight": part}
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.part.start
+        elsewhere = (local < 0) | (local >= self.part.length)
+        h = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(h.masked_fill_(elsewhere[:, None], 0))
+
+
+class LMHead(nn.Linear):
+    """The output projection of this rank's slice of the vocabulary; rank 0 gathers the logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel, **factory: Any) -> None:
+        part, rows = tp.vocab(vocab_size)
+        super().__init__(hidden_size, rows, bias=False, **factory)
+        self.tp, self.vocab_size = tp, vocab_size
+        self.shards = {"weight": part}
+
+    def logits(self, hidden: Tensor) -> Tensor | None:
+        """float32 logits [N, vocab] on rank 0, None on the other ranks."""
+        local = F.linear(hidden, self.weight).float()
+        if self.tp.size == 1:
+            return local
+        full = self.tp.gather_first(local)
+        return None if full is None else full[:, : self.vocab_size]
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, **factory: Any) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h, bias = cfg.hidden_size, cfg.attention_bias
-        self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        parts = dict(zip(("q_proj", "k_proj", "v_proj"), self.sizes, strict=True))
-        self.qkv_proj = FusedLinear(h, parts, bias=bias, **factory)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_proj_bias, **factory)
+        heads, kv_heads, d = tp.split(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads), cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.length, kv_heads.length, d
+        q, kv = heads.times(d), kv_heads.times(d)
+        self.sizes = [q.length, kv.length, kv.length]
+        parts = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        self.qkv_proj = FusedLinear(cfg.hidden_size, parts, bias=cfg.attention_bias, **factory)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.o_proj_bias, tp, **factory)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
 
@@ -159,11 +219,11 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, **factory: Any) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
-        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        h, i, bias = cfg.hidden_size, tp.split(cfg.intermediate_size), cfg.mlp_bias
         self.gate_up_proj = FusedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias, **factory)
-        self.down_proj = nn.Linear(i, h, bias=bias, **factory)
+        self.down_proj = RowParallelLinear(i, h, bias, tp, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -171,11 +231,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, **factory: Any) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
         self.index = index
-        self.self_attn = SelfAttention(cfg, **factory)
-        self.mlp = SparseMoE(cfg, **factory) if cfg.is_moe_layer(index) else MLP(cfg, **factory)
+        self.self_attn = SelfAttention(cfg, tp, **factory)
+        self.mlp = SparseMoE(cfg, tp, **factory) if cfg.is_moe_layer(index) else MLP(cfg, tp, **factory)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
 
@@ -187,25 +247,31 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """The `model.` prefix of the HF checkpoint names."""
 
-    def __init__(self, cfg: ModelConfig, **factory: Any) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, **factory)
-        if weight.device.type != "meta":  # normal_ on meta imports torch._dynamo: seconds for nothing
-            nn.init.normal_(weight)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **factory) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, **factory) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
-        """Parameters get PyTorch's default init; use device="meta" and fill them (see loader)."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+        tp: TensorParallel = TensorParallel(),  # noqa: B008 - frozen
+    ) -> None:
+        """Parameters get PyTorch's default init; use device="meta" and fill them (see loader).
+        `tp`: build only this rank's part of every layer (see sharding.py)."""
         super().__init__()
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.config = cfg
+        self.tp = tp
         self.attn_scale = cfg.head_dim**-0.5
-        self.model = Backbone(cfg, **factory)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+        self.model = Backbone(cfg, tp, **factory)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tp, **factory)
         self.rotary = RotaryEmbedding(cfg, device=device)
         self.tie_weights()
 
@@ -217,7 +283,12 @@ class DecoderLM(nn.Module):
     def checkpoint_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every weight under its Hugging Face checkpoint name, in parameter order (a tied lm_head
         once, as the embedding); fused and stacked weights as views of their slices, so writing
-        one fills the model."""
+        one fills the model. With tensor parallelism: this rank's parts, see `sharded_tensors`."""
+        return ((t.name, t.view) for t in self.sharded_tensors() if t.view is not None)
+
+    def sharded_tensors(self) -> Iterator[CheckpointTensor]:
+        """Every checkpoint tensor in checkpoint order with the part of it this rank holds (all of
+        it on one device)."""
         return _checkpoint_tensors(self, "", set())
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: Attention) -> Tensor:
@@ -228,16 +299,18 @@ class DecoderLM(nn.Module):
             h = layer(h, cos, sin, attn)
         return self.model.norm(h)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """hidden [N, hidden] -> float32 logits [N, vocab]; with tensor parallelism every rank
+        calls it and rank 0 gets the logits, the others None."""
+        return self.lm_head.logits(hidden)
 
 
-def _checkpoint_tensors(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, Tensor]]:
+def _checkpoint_tensors(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[CheckpointTensor]:
+    shards: dict[str, Shard] = getattr(module, "shards", {})
     for name, p in module.named_parameters(recurse=False):
         if id(p) not in seen:  # a tied lm_head is the embedding, already named
             seen.add(id(p))
-            yield prefix + name, p
+            yield held(prefix + name, p, shards.get(name))
     for name, child in module.named_children():
         if isinstance(child, (FusedLinear, SparseMoE)):  # these name their own checkpoint tensors
             yield from child.checkpoint_tensors(prefix)
@@ -250,17 +323,20 @@ def init_random_weights(model: DecoderLM, seed: int = 0, std: float = 0.02) -> N
     """Deterministic dummy weights in place, on the parameters' own device and dtype.
 
     Each checkpoint tensor is drawn on its own, in checkpoint order, so fusing layers changes no value.
-    Matrices and embeddings ~ N(0, std), norm weights 1, biases 0. Meta tensors are left alone.
+    Matrices and embeddings ~ N(0, std), norm weights 1, biases 0. Meta tensors are left alone. A
+    tensor split over ranks is drawn whole and sliced, and one another rank holds is drawn too (it
+    moves the generator on), so every rank holds its part of the one-device model's weights.
     """
-    generators: dict[torch.device, torch.Generator] = {}
-    for name, p in model.checkpoint_tensors():
-        if p.device.type == "meta":
-            continue
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith(".bias"):
-            p.zero_()
+    some = next(model.parameters())
+    if some.device.type == "meta":
+        return
+    generator = torch.Generator(device=some.device).manual_seed(seed)
+    for t in model.sharded_tensors():
+        if t.name.endswith(("norm.weight", ".bias")):
+            if t.view is not None:
+                t.view.fill_(1.0 if t.name.endswith("norm.weight") else 0.0)
+        elif t.view is not None and t.shard is None:
+            t.view.normal_(0.0, std, generator=generator)
         else:
-            if p.device not in generators:
-                generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.normal_(0.0, std, generator=generators[p.device])
+            whole = torch.empty(t.shape, dtype=some.dtype, device=some.device).normal_(0.0, std, generator=generator)
+            t.load(t.part(whole))

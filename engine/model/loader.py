@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -31,6 +32,7 @@ from superinfer.engine.download import (
 
 from .config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from .decoder import DecoderLM, init_random_weights
+from .sharding import TensorParallel, check_fits
 from .tiny import ensure_tiny_model
 
 PRESETS_DIR = Path(__file__).with_name("presets")
@@ -69,48 +71,58 @@ def _names_error(kind: str, names: list[str], path: Path) -> ValueError:
     return ValueError(f"{kind} tensor(s) in {path}: {shown}")
 
 
-def _checkpoint_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, Path, object]]:
-    # Tensors are read straight onto the target device (no CPU staging on CUDA); on meta only the
-    # header is read and the slice handle stands in for the data.
+def _checkpoint_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, Path, Any]]:
+    """(name, file, open file) of every tensor; the open file reads it (or a slice of it) lazily."""
+    # Tensors are read straight onto the target device (no CPU staging on CUDA).
     read_device = "cpu" if device.type in ("cpu", "meta") else str(device)
     for file in files:
         with safe_open(str(file), framework="pt", device=read_device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, file, (f.get_slice(name) if device.type == "meta" else f.get_tensor(name))
+                yield name, file, f
 
 
 @torch.no_grad()
 def load_weights(model: DecoderLM, path: Path) -> None:
-    """Copy the checkpoint in `path` into `model`, checking every name and shape."""
-    params = dict(model.checkpoint_tensors())  # tied lm_head appears once, as the embedding
-    device = next(iter(params.values())).device
+    """Copy the checkpoint in `path` into `model`, checking every name and shape. With tensor
+    parallelism only this rank's part of each tensor is read, and none of the experts others hold."""
+    tensors = {t.name: t for t in model.sharded_tensors()}  # tied lm_head appears once, as the embedding
+    device = next(model.parameters()).device
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, file, data in _checkpoint_tensors(weight_files(path), device):
+    for name, file, f in _checkpoint_tensors(weight_files(path), device):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        param = params.get(name)
-        if param is None:
+        t = tensors.get(name)
+        if t is None:
             unexpected.append(name)
             continue
-        shape = tuple(data.get_shape()) if device.type == "meta" else tuple(data.shape)  # type: ignore[attr-defined]
-        if shape != tuple(param.shape):
-            raise _shape_error(name, shape, tuple(param.shape), file)
-        if device.type != "meta":
-            param.copy_(data)  # type: ignore[arg-type]
+        data = f.get_slice(name)
+        shape = tuple(data.get_shape())
+        if shape != t.shape:
+            raise _shape_error(name, shape, t.shape, file)
+        if device.type != "meta" and t.view is not None:
+            t.load(f.get_tensor(name) if t.shard is None else data[t.shard.index(len(shape))])
         loaded.add(name)
     if unexpected:
         raise _names_error("unexpected", unexpected, path)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(tensors) - loaded)
     if missing:
         raise _names_error("missing", missing, path)
 
 
-def build_model(cfg: ModelConfig, *, dtype: str, device: str | torch.device) -> DecoderLM:
-    """An uninitialised DecoderLM allocated directly on `device` in `dtype` (never staged in fp32)."""
+def build_model(
+    cfg: ModelConfig,
+    *,
+    dtype: str,
+    device: str | torch.device,
+    tp: TensorParallel = TensorParallel(),  # noqa: B008 - frozen
+) -> DecoderLM:
+    """An uninitialised DecoderLM (this rank's part of it) allocated directly on `device` in `dtype`
+    (never staged in fp32)."""
+    check_fits(cfg, tp.size)
     device = torch.device(device)
-    model = DecoderLM(cfg, device="meta", dtype=getattr(torch, normalize_dtype(dtype)))
+    model = DecoderLM(cfg, device="meta", dtype=getattr(torch, normalize_dtype(dtype)), tp=tp)
     if device.type != "meta":
         model = model.to_empty(device=device)
     model.tie_weights()
@@ -168,6 +180,13 @@ def _resolve(
     )
 
 
+def model_config(
+    spec: str, revision: str | None = None, download_dir: str | None = None, offline: bool = False
+) -> ModelConfig:
+    """The config of `spec` (a Hub model is downloaded first, as load_model would)."""
+    return _resolve(spec, revision, download_dir, offline)[0]
+
+
 def load_model(
     spec: str,
     *,
@@ -178,8 +197,9 @@ def load_model(
     revision: str | None = None,
     download_dir: str | None = None,
     offline: bool = False,
+    tp: TensorParallel = TensorParallel(),  # noqa: B008 - frozen
 ) -> LoadedModel:
-    """Load `spec` (see the module docstring) onto `device`.
+    """Load `spec` (see the module docstring) onto `device`; with `tp`, this rank's part of it.
 
     dtype defaults to float32 on CPU and to the config's dtype elsewhere. `dummy=True` (implied by
     presets) skips the checkpoint and fills deterministic random weights from `seed`. For Hub models,
@@ -188,7 +208,7 @@ def load_model(
     """
     cfg, path, tokenizer_dir, force_dummy = _resolve(spec, revision, download_dir, offline)
     torch_device = torch.device(device)
-    model = build_model(cfg, dtype=dtype or _default_dtype(cfg, torch_device), device=torch_device)
+    model = build_model(cfg, dtype=dtype or _default_dtype(cfg, torch_device), device=torch_device, tp=tp)
     if dummy or force_dummy or path is None:
         init_random_weights(model, seed=seed)
     else:

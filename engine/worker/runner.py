@@ -6,6 +6,9 @@ It decides nothing: which tokens, blocks and sampling parameters come from the p
 for that event and reads them: one host sync per step. A plan's PLACEHOLDER tokens are filled on
 the device from the previous submitted step's sampled tokens, so step t+1 can be submitted before
 step t is collected (async scheduling).
+
+With tensor parallelism every rank runs the same plan on its part of the model; rank 0 gets the
+logits, samples, and broadcasts the tokens, which the other ranks need for the next placeholders.
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
+        self.tp = model.tp
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         if streams is None:
@@ -231,7 +235,7 @@ class ModelRunner:
             src = self._tensor([row_of[rid] for rid in x.placeholder_ids])
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
         sampling = [s for s in plan.seqs if s.sample]
-        masks = self._start_masks(sampling)
+        masks = self._start_masks(sampling) if self.tp.rank == 0 else None
         attn = PagedAttention(self.kv_cache, plan_attention(x.spans, self.kv_cache), self.scale)
         hidden = self.model(input_ids, self._tensor(x.positions), attn)
         if x.prompt_rows:
@@ -239,6 +243,10 @@ class ModelRunner:
         if not sampling:
             return
         logits = self.model.compute_logits(hidden[self._tensor(x.sample_rows)])
+        if logits is None:  # another rank's share: rank 0 samples
+            tokens = torch.empty(len(sampling), dtype=torch.long, device=self.device)
+            step.device_tokens = self.tp.broadcast_first(tokens)
+            return
         params = [s.sampling for s in sampling]
         gens = [self._generator(s.request_id, s.sampling.seed) for s in sampling]
         rows = self.histories.rows(sampling)
@@ -252,6 +260,7 @@ class ModelRunner:
             grammar = GrammarMasks(self._tensor(guided_rows), disallowed)
         banned = [s.banned_token_ids for s in sampling]
         tokens, logprobs = sample(logits, params, gens, banned, history, grammar)
+        self.tp.broadcast_first(tokens)
         if rows is not None:
             self.histories.record(rows, tokens)
         if masks is not None:
@@ -308,7 +317,10 @@ class ModelRunner:
         """Logprobs of the prompt tokens this step's chunks predict (echo, prompt_logprobs)."""
         rows = [r.row + i for r in x.prompt_rows for i in range(len(r.targets))]
         targets = [t for r in x.prompt_rows for t in r.targets]
-        logp = self.model.compute_logits(hidden[self._tensor(rows)]).float().log_softmax(dim=-1)
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        if logits is None:  # another rank's share: rank 0 scores
+            return
+        logp = logits.float().log_softmax(dim=-1)
         chosen = logp.gather(-1, self._tensor(targets)[:, None]).squeeze(-1)
         top = logp.topk(max(1, max(r.k for r in x.prompt_rows)), dim=-1)
         step.prompt_rows = x.prompt_rows
