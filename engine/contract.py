@@ -105,6 +105,9 @@ GAUGES = {
     "requests_running": (),
     "requests_waiting": (),
     "requests_rotary": (),
+    # The largest lag behind an SLO among requests that are not running (waiting or rotated out):
+    # a routing signal (an endpoint picker can avoid the replica that is furthest behind).
+    "slo_lag_seconds": (),
     "kv_cache_usage_ratio": ("tier",),
     "kv_blocks": ("tier", "state"),
 }

@@ -273,7 +273,7 @@ class EngineCore:
         if req is not None:
             self._live.pop(request_id, None)
             self.metrics.on_finish(req, self.clock())
-            self.metrics.on_state(self.scheduler, self.kv)
+            self.metrics.on_state(self.scheduler, self.kv, self.clock())
 
     @property
     def step_in_flight(self) -> bool:
@@ -365,6 +365,7 @@ class EngineCore:
             result.copies,
             self.block_bytes,
             phase_seconds={**phase_seconds, "update": time.perf_counter() - t2},
+            now=self.clock(),
         )
         return outputs
 

@@ -11,7 +11,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
-from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, p99_gap
+from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, p99_gap, slo_lag_seconds
 
 if TYPE_CHECKING:
     from superinfer.engine.worker.duplex import CopyStats
@@ -136,8 +136,9 @@ class EngineMetrics:
         copies: CopyStats,
         block_bytes: int,
         phase_seconds: dict[str, float],
+        now: float,
     ) -> None:
-        self.on_state(sched, kv)
+        self.on_state(sched, kv, now)
         for phase, seconds in phase_seconds.items():
             self._child(self.step, phase).observe(seconds)
         counters = sched.counters
@@ -167,12 +168,14 @@ class EngineMetrics:
         if copies.hidden_ratio is not None:
             self._child(self.copy_hidden).observe(copies.hidden_ratio)
 
-    def on_state(self, sched: Scheduler, kv: KVCacheManager) -> None:
+    def on_state(self, sched: Scheduler, kv: KVCacheManager, now: float) -> None:
         """Set the gauges from the scheduler and block pools as they are now (after every step,
         and after anything that changes them between steps, such as an abort with the engine idle)."""
         self._g("requests_running").set(sched.num_running)
         self._g("requests_waiting").set(sched.num_waiting)
         self._g("requests_rotary").set(sched.num_rotary)
+        lags = (slo_lag_seconds(r.arrival_time, r.t_last_token, r.slo, now) for r in (*sched.waiting, *sched.rotary))
+        self._g("slo_lag_seconds").set(max(lags, default=0.0))
         # GPU blocks: free (empty), dirty (no CPU copy yet), clean (written through), quarantined.
         clean = min(kv.pool.num_used, sum(min(len(r.cpu_block_ids), len(r.block_ids)) for r in sched.running))
         states = {

@@ -59,3 +59,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 def histogram_buckets(slo_s: float, base: Sequence[float]) -> list[float]:
     """Histogram bucket bounds that include the SLO threshold itself (so attainment is exact)."""
     return sorted(set(base) | {slo_s})
+
+
+def slo_lag_seconds(t_arrival: float, t_last_token: float | None, slo: SLO, now: float) -> float:
+    """How far a request that is not running is behind its SLO right now (0 when it is not): past
+    its TTFT target while it has no token yet, else past its TBT target since its last token."""
+    if t_last_token is None:
+        return max(0.0, now - t_arrival - slo.ttft_ms / 1000.0)
+    return max(0.0, now - t_last_token - slo.tbt_ms / 1000.0)

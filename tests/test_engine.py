@@ -175,6 +175,27 @@ def test_gauges_tell_the_truth_when_the_engine_goes_idle(async_scheduling):
     assert gauge(core, "kv_blocks", tier="gpu", state="free") == core.kv.num_blocks
 
 
+def test_slo_lag_gauge_is_the_most_lagging_waiting_request():
+    now = [100.0]
+    core = EngineCore(
+        EngineConfig(model="tiny", device="cpu", dtype="float32", num_gpu_blocks=256, max_num_seqs=1,
+                     ttft_slo_ms=500, async_scheduling=False),
+        clock=lambda: now[0],
+    )  # fmt: skip
+    prompts = random_prompts(2, core.model_config.vocab_size, seed=10, lo=20, hi=30)
+    core.add_request("first", prompts["r0"], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    core.add_request("second", prompts["r1"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    core.step()
+    assert gauge(core, "slo_lag_seconds") == 0  # "second" waits, within its 500 ms TTFT target
+    now[0] += 2.0
+    core.step()
+    assert gauge(core, "slo_lag_seconds") == pytest.approx(1.5)  # 2 s waiting against 0.5 s
+    core.abort("first")
+    while core.has_work:
+        core.step()
+    assert gauge(core, "slo_lag_seconds") == 0
+
+
 def test_top_p_applies_to_the_renormalised_top_k_set():
     from superinfer.engine.worker.sampling import _truncate
 
