@@ -291,6 +291,27 @@ class MonitoringSpec(KubeModel):
     """Extra labels on the PodMonitor (to match a Prometheus's podMonitorSelector)."""
 
 
+class EndpointPickerRef(KubeModel):
+    name: str = ""
+    """Service of the endpoint picker (EPP) that the Gateway asks which pod takes a request
+    (default: <name>-epp)."""
+    port: int = Field(default=9002, ge=1, le=65535)
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    """What the Gateway does when the picker does not answer: route anyway (FailOpen) or refuse."""
+
+
+class InferencePoolSpec(KubeModel):
+    enabled: bool = False
+    """Render a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) over
+    this service's engine pods, for an HTTPRoute to target; the engine then also exports the vLLM
+    metric names that the stock endpoint picker reads."""
+    endpoint_picker: EndpointPickerRef = _sub(EndpointPickerRef)
+
+
+class RoutingSpec(KubeModel):
+    inference_pool: InferencePoolSpec = _sub(InferencePoolSpec)
+
+
 class InferenceServiceSpec(KubeModel):
     model: ModelSpec
     engine: EngineSpec = _sub(EngineSpec)
@@ -305,6 +326,7 @@ class InferenceServiceSpec(KubeModel):
     rollout: RolloutSpec = _sub(RolloutSpec)
     drain: DrainSpec = _sub(DrainSpec)
     monitoring: MonitoringSpec = _sub(MonitoringSpec)
+    routing: RoutingSpec = _sub(RoutingSpec)
     template: FreeObject = Field(default_factory=dict)
     """PodSpec fields merged last over the rendered pod spec (escape hatch)."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 ROLLUP_ORDER = ("Validated", "ModelReady", "WorkloadReady", "ServiceReady", "MetricsAvailable", "ScalingReady")
-INFORMATIONAL = ("SLOMet",)
+INFORMATIONAL = ("SLOMet", "RoutingReady")
 
 
 @dataclass(frozen=True)

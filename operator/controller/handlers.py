@@ -17,12 +17,20 @@ import kopf
 
 from superinfer.operator.api import names
 from superinfer.operator.autoscaling import tick
-from superinfer.operator.controller.kube_client import DEPLOYMENTS, PDBS, PODMONITORS, PODS, SERVICES, Kube
+from superinfer.operator.controller.kube_client import (
+    DEPLOYMENTS,
+    INFERENCEPOOLS,
+    PDBS,
+    PODMONITORS,
+    PODS,
+    SERVICES,
+    Kube,
+)
 from superinfer.operator.controller.reconcile import resync
 from superinfer.operator.controller.state import Config, State, index_name
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
-CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, PDBS, PODMONITORS, PODS)
+CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, PDBS, PODMONITORS, INFERENCEPOOLS, PODS)
 # Children and engine pods, selected by the API server (not filtered after a cluster-wide watch),
 # indexed by owner so that a reconciliation reads them from memory instead of GET/LIST per event.
 CHILD_SELECTOR = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY},{names.LABEL_SERVICE}"

@@ -49,11 +49,13 @@ PODS = Res("v1", "pods")
 EVENTS = Res("v1", "events")
 PDBS = Res("policy/v1", "poddisruptionbudgets")
 PODMONITORS = Res("monitoring.coreos.com/v1", "podmonitors")
+INFERENCEPOOLS = Res("inference.networking.k8s.io/v1", "inferencepools")
 BY_KIND = {
     "Deployment": DEPLOYMENTS,
     "Service": SERVICES,
     "PodDisruptionBudget": PDBS,
     "PodMonitor": PODMONITORS,
+    "InferencePool": INFERENCEPOOLS,
 }
 
 

@@ -19,7 +19,15 @@ from superinfer.operator.api.validation import validate
 from superinfer.operator.controller import conditions, events
 from superinfer.operator.controller.apply import apply
 from superinfer.operator.controller.conditions import Observed
-from superinfer.operator.controller.kube_client import BY_KIND, DEPLOYMENTS, PODMONITORS, SERVICES, ApiError, Res
+from superinfer.operator.controller.kube_client import (
+    BY_KIND,
+    DEPLOYMENTS,
+    INFERENCEPOOLS,
+    PODMONITORS,
+    SERVICES,
+    ApiError,
+    Res,
+)
 from superinfer.operator.controller.render import Context, render, service_url
 from superinfer.operator.controller.state import State
 from superinfer.operator.controller.timestamps import now_iso
@@ -39,7 +47,13 @@ def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
 async def apply_children(state: State, owner: Mapping[str, Any], spec: InferenceServiceSpec) -> str:
     """Create or patch the children; what the API server refused to accept ("" when nothing)."""
     meta = owner["metadata"]
-    ctx = Context(meta["name"], meta["namespace"], state.config.default_image, await state.podmonitor_api())
+    ctx = Context(
+        meta["name"],
+        meta["namespace"],
+        state.config.default_image,
+        podmonitor_api=await state.podmonitor_api(),
+        inferencepool_api=await state.served(INFERENCEPOOLS.api_version),
+    )
     children = render(ctx, spec)
     kopf.adopt(children, owner=owner)  # owner reference, namespace, owner's labels
     for child in children:
@@ -52,10 +66,14 @@ async def apply_children(state: State, owner: Mapping[str, Any], spec: Inference
         if action != "unchanged":
             reason = f"{child['kind']}{action.capitalize()}"
             await events.post(state.kube, owner, reason, f"{child['kind']} {action}", state.config.clock())
-    if ctx.podmonitor_api and not spec.monitoring.pod_monitor:
-        existing = await state.child(PODMONITORS, ctx.namespace, ctx.name)
-        if existing is not None and _owned_by(existing, owner):
-            await state.kube.delete(PODMONITORS, ctx.namespace, ctx.name)
+    for res, wanted, served in (
+        (PODMONITORS, spec.monitoring.pod_monitor, ctx.podmonitor_api),
+        (INFERENCEPOOLS, spec.routing.inference_pool.enabled, ctx.inferencepool_api),
+    ):
+        if served and not wanted:  # turned off: remove what we made before
+            existing = await state.child(res, ctx.namespace, ctx.name)
+            if existing is not None and _owned_by(existing, owner):
+                await state.kube.delete(res, ctx.namespace, ctx.name)
     return ""
 
 
@@ -87,6 +105,21 @@ async def observe(state: State, owner: Mapping[str, Any], spec: InferenceService
         scaling=scaler.scaling if scaler and autoscaling else None,
         slo=scaler.slo if scaler and autoscaling else None,
     )
+
+
+def routing_condition(name: str, served: bool) -> conditions.Cond:
+    """RoutingReady (informational: serving works without a Gateway)."""
+    if not served:
+        return conditions.Cond(
+            "RoutingReady", conditions.FALSE, "InferencePoolAPIMissing",
+            "routing.inferencePool is enabled but the cluster does not serve inference.networking.k8s.io/v1: "
+            "install the Gateway API Inference Extension CRDs",
+        )  # fmt: skip
+    return conditions.Cond(
+        "RoutingReady", conditions.TRUE, "InferencePool",
+        f"InferencePool {name} selects the engine pods: point an HTTPRoute backendRef at it "
+        "(group inference.networking.k8s.io, kind InferencePool)",
+    )  # fmt: skip
 
 
 def model_status(obs: Observed, conds: list[conditions.Cond], previous: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,6 +157,8 @@ async def sync(state: State, owner: Mapping[str, Any]) -> tuple[dict[str, Any], 
         await events.post(state.kube, owner, "InvalidSpec", outcome.message, state.config.clock(), warning=True)
     obs = await observe(state, owner, spec)
     obs.rejected = rejected
+    if spec is not None and spec.routing.inference_pool.enabled:
+        obs.extra.append(routing_condition(name, await state.served(INFERENCEPOOLS.api_version)))
     conds = conditions.compute(obs, outcome.problems if not outcome.ok else [])
     now = now_iso(state.config.clock())
     deployment_status = (obs.deployment or {}).get("status", {}) or {}

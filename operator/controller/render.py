@@ -28,6 +28,7 @@ class Context:
     namespace: str
     default_image: str = names.DEFAULT_ENGINE_IMAGE
     podmonitor_api: bool = False  # monitoring.coreos.com/v1 is served by the cluster
+    inferencepool_api: bool = False  # inference.networking.k8s.io/v1 is served by the cluster
 
 
 def render(ctx: Context, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -35,6 +36,8 @@ def render(ctx: Context, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     children = [render_deployment(ctx, spec), render_service(ctx), render_pdb(ctx)]
     if ctx.podmonitor_api and spec.monitoring.pod_monitor:
         children.append(render_podmonitor(ctx, spec))
+    if ctx.inferencepool_api and spec.routing.inference_pool.enabled:
+        children.append(render_inferencepool(ctx, spec))
     return children
 
 
@@ -117,6 +120,8 @@ def engine_args(ctx: Context, spec: InferenceServiceSpec) -> list[str]:
         args += ["--no-write-through"]
     if slo.classes is not None:
         args += ["--slo-classes", slo_classes_flag(slo.classes)]
+    if spec.routing.inference_pool.enabled and "--metrics-compat" not in engine.args:
+        args += ["--metrics-compat", "vllm"]  # the names the stock endpoint picker scrapes
     return args + list(engine.args)
 
 
@@ -411,6 +416,25 @@ def render_podmonitor(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any
                     "relabelings": [{"sourceLabels": [label_source], "targetLabel": names.PROMETHEUS_SERVICE_LABEL}],
                 }
             ],
+        },
+    }
+
+
+def render_inferencepool(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """A Gateway API Inference Extension pool over the engine pods, picked by the named EPP."""
+    picker = spec.routing.inference_pool.endpoint_picker
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": _meta(ctx),
+        "spec": {
+            "selector": {"matchLabels": names.selector_labels(ctx.name)},
+            "targetPorts": [{"number": contract.DEFAULT_PORT}],
+            "endpointPickerRef": {
+                "name": picker.name or f"{ctx.name}-epp",
+                "port": {"number": picker.port},
+                "failureMode": picker.failure_mode,
+            },
         },
     }
 

@@ -16,7 +16,7 @@ from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import Window
 from superinfer.operator.autoscaling.prometheus_window import PrometheusSource
 from superinfer.operator.controller.conditions import Cond
-from superinfer.operator.controller.kube_client import PODS, Kube, Login, Res
+from superinfer.operator.controller.kube_client import PODMONITORS, PODS, Kube, Login, Res
 from superinfer.operator.observability.operator_metrics import OperatorMetrics
 
 
@@ -77,7 +77,7 @@ class State:
     # Kopf's live indexes of children and engine pods by (namespace, owner name), from the watches
     # the operator runs anyway; captured from the first handler that receives them.
     indexes: Mapping[str, Any] | None = None
-    _podmonitor_api: tuple[float, bool] | None = None
+    _served: dict[str, tuple[float, bool]] = field(default_factory=dict)
 
     async def child(self, res: Res, namespace: str, name: str) -> Mapping[str, Any] | None:
         """A child (named like its owner) as the watch last saw it; from the API before indexing."""
@@ -91,14 +91,19 @@ class State:
             return await self.kube.list(PODS, namespace, names.selector_labels(owner))
         return list(self.indexes[index_name(PODS)].get((namespace, owner), []))
 
+    async def served(self, api_version: str) -> bool:
+        """Whether the cluster serves an API group/version (checked at most once a minute)."""
+        now = self.config.clock()
+        known = self._served.get(api_version)
+        if known is None or now - known[0] > 60:
+            known = self._served[api_version] = (now, await self.kube.served(api_version))
+        return known[1]
+
     async def podmonitor_api(self) -> bool:
-        """Whether PodMonitors can be created (checked at most once a minute)."""
+        """Whether PodMonitors can be created."""
         if self.config.podmonitor != "auto":
             return self.config.podmonitor == "always"
-        now = self.config.clock()
-        if self._podmonitor_api is None or now - self._podmonitor_api[0] > 60:
-            self._podmonitor_api = (now, await self.kube.served("monitoring.coreos.com/v1"))
-        return self._podmonitor_api[1]
+        return await self.served(PODMONITORS.api_version)
 
     def scaler(self, key: tuple[str, str], window_seconds: float) -> Scaler:
         scaler = self.scalers.get(key)

@@ -130,6 +130,34 @@ async def test_reconciling_reads_children_from_the_watch_not_the_api(running):
         await running.api.create(PODS, "default", pod(f"tiny-{n}", "tiny", ready=True))
     await eventually(lambda: "in 3 pod(s)" in running.condition("tiny", "ModelReady")["message"])
     by_operator = [r for r in running.kmock if "kopf" not in r.headers.get("User-Agent", "")]
+    children = {"deployments", "services", "poddisruptionbudgets", "podmonitors", "inferencepools", "pods"}
     reads = [(r.method, r.resource.plural, r.name) for r in by_operator
-             if r.resource is not None and r.method == "GET" and r.resource.plural != names.PLURAL]  # fmt: skip
+             if r.method == "GET" and r.resource is not None and r.resource.plural in children]  # fmt: skip
     assert reads == [], reads  # no GET of a child, no LIST of pods: Kopf's indexes answer
+
+
+POOLS = "inference.networking.k8s.io/v1/inferencepools"
+
+
+async def test_routing_makes_and_removes_an_inference_pool(running):
+    running.kmock.resources[POOLS] = running.kmock.ResourceInfo(
+        kind="InferencePool", singular="inferencepool", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    )  # fmt: skip
+    routed = {**TINY, "routing": {"inferencePool": {"enabled": True, "endpointPicker": {"name": "picker"}}}}
+    await running.create_isvc("chat", routed)
+    pool = await eventually(lambda: running.obj(POOLS, "chat"))
+    assert pool["spec"]["endpointPickerRef"]["name"] == "picker"
+    assert pool["metadata"]["ownerReferences"][0]["name"] == "chat"
+    cond = await running.wait_condition("chat", "RoutingReady", status="True")
+    assert "HTTPRoute" in cond["message"]
+    await running.api.patch(ISVC, "default", "chat", {"spec": {"routing": {"inferencePool": {"enabled": False}}}})
+    await eventually(lambda: running.obj(POOLS, "chat") is None)
+    await eventually(lambda: running.condition("chat", "RoutingReady") is None)
+
+
+async def test_routing_without_the_inference_extension_says_what_to_install(running):
+    await running.create_isvc("chat", {**TINY, "routing": {"inferencePool": {"enabled": True}}})
+    cond = await running.wait_condition("chat", "RoutingReady", status="False")
+    assert cond["reason"] == "InferencePoolAPIMissing"
+    assert running.condition("chat", "Ready")["reason"] != "InferencePoolAPIMissing"  # serving does not need it

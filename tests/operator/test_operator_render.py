@@ -257,3 +257,25 @@ def test_duplex_ablation_renders_into_flags_the_engine_accepts():
     ablation = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "kvCache": kv})
     config = serve_config(engine_args(Context("t", "ns"), ablation))
     assert (config.duplex, config.write_through) == ("serial", False)
+
+
+def test_routing_renders_an_inference_pool_over_the_engine_pods():
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"uri": "preset://tiny"}, "routing": {"inferencePool": {"enabled": True}}}
+    )
+    children = by_kind(render(Context("chat", "ns", inferencepool_api=True), spec))
+    pool = children["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"] == names.selector_labels("chat")
+    pod_labels = children["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pool["spec"]["targetPorts"] == [{"number": contract.DEFAULT_PORT}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "chat-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    args = engine(render(Context("chat", "ns"), spec))["args"]
+    assert args[args.index("--metrics-compat") + 1] == "vllm"  # what the stock picker scrapes
+    assert serve_config(args).metrics_compat == "vllm"
+    assert "InferencePool" not in by_kind(render(Context("chat", "ns"), spec))  # no API, no pool
