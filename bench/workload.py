@@ -1,6 +1,6 @@
 """Workloads for SLO experiments: open-loop arrivals and request lengths, reproducible by seed.
 
-The evaluation protocol (ROTASCHED.md): Poisson arrivals (gamma inter-arrival times, burstiness 1),
+The evaluation protocol (docs/rotasched.md): Poisson arrivals (gamma inter-arrival times, burstiness 1),
 fixed output length per request, greedy decoding with `ignore_eos`. Traces are JSONL lines
 {"prompt": ..., "generated": ...} or ShareGPT JSON; without one, synthetic lengths are drawn from
 a log-normal fitted by eye to ShareGPT's shape (prompts median ~150 tokens, outputs ~200),

@@ -1,4 +1,4 @@
-"""The simulator's cost model against hand calculations (PERFORMANCE.md's roofline terms)."""
+"""The simulator's cost model against hand calculations (the roofline terms of docs/benchmarks.md)."""
 
 from __future__ import annotations
 

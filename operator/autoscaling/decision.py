@@ -12,7 +12,7 @@ Order of the rules (first match wins):
 6. healthy for stabilizationSeconds → remove one replica if the survivors, taking N/(N-1) of the
    load, are predicted to keep every class under sensitivity × its SLO (consolidation check).
 
-Latency is judged per SLO class (pressure.py), for the classes with minRequests finished requests
+Latency is judged per SLO class (class_pressure.py), for the classes with minRequests finished requests
 in the window; attainment already judges each request against its own class.
 """
 

@@ -1,4 +1,4 @@
-"""Grafana dashboards (JSON models) built from the PromQL in promql.py; gen.py writes them out."""
+"""Grafana dashboards (JSON models) built from the PromQL in promql.py; generate.py writes them out."""
 
 from __future__ import annotations
 
