@@ -95,7 +95,8 @@ def load_calibration(path: Path, model: ModelSpec, block_size: int) -> Calibrate
     """JSON {"base_s", "per_token_s", "per_seq_s", "per_kcontext_s", and per direction either
     "copy_out_gb_s"/"copy_in_gb_s" or "per_block_out_s"/"per_block_in_s"}; missing step terms are 0."""
     raw = json.loads(Path(path).read_text())
-    raw = raw.get("calibration", raw)  # a results record may nest it
+    raw = raw.get("figures", raw)  # a bench/results record (bench.sim_fidelity) nests it
+    raw = raw.get("calibration", raw)
     nbytes = block_bytes(model, block_size)
 
     def per_block(direction: str) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +122,8 @@ def test_calibration_replaces_the_roofline(tmp_path):
     assert cost.per_block_out_s == pytest.approx(16 * 128 * 1024 / 20e9)
     assert cost.per_block_in_s == 3e-4
     assert SimConfig(calibration=path).step_cost() == cost
+    record = Path(__file__).parents[1] / "bench/results/sim-fidelity-rotary-6rps-cpu-2026-11-23.json"
+    assert load_calibration(record, LLAMA, 16).per_block_out_s > 0  # bench.sim_fidelity's own record
     path.write_text(json.dumps({"base_s": 0.01}))
     with pytest.raises(ValueError, match="copy-out"):
         load_calibration(path, LLAMA, 16)
