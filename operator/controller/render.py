@@ -97,6 +97,8 @@ def engine_args(ctx: Context, spec: InferenceServiceSpec) -> list[str]:
         args += ["--gpu-memory-utilization", _num(engine.gpu_memory_utilization)]
     else:
         args += ["--device", "cpu"]
+    if spec.resources.gpus > 1 and not _sets(engine.args, "--tensor-parallel-size", "-tp"):
+        args += ["--tensor-parallel-size", str(spec.resources.gpus)]  # one model across the pod's GPUs
     if engine.dtype:
         args += ["--dtype", engine.dtype]
     if engine.policy == "rotary":
@@ -120,9 +122,13 @@ def engine_args(ctx: Context, spec: InferenceServiceSpec) -> list[str]:
         args += ["--no-write-through"]
     if slo.classes is not None:
         args += ["--slo-classes", slo_classes_flag(slo.classes)]
-    if spec.routing.inference_pool.enabled and "--metrics-compat" not in engine.args:
+    if spec.routing.inference_pool.enabled and not _sets(engine.args, "--metrics-compat"):
         args += ["--metrics-compat", "vllm"]  # the names the stock endpoint picker scrapes
     return args + list(engine.args)
+
+
+def _sets(args: list[str], *flags: str) -> bool:
+    return any(arg.split("=", 1)[0] in flags for arg in args)
 
 
 def slo_classes_flag(classes: Mapping[str, SLOClassSpec]) -> str:

@@ -279,3 +279,16 @@ def test_routing_renders_an_inference_pool_over_the_engine_pods():
     assert args[args.index("--metrics-compat") + 1] == "vllm"  # what the stock picker scrapes
     assert serve_config(args).metrics_compat == "vllm"
     assert "InferencePool" not in by_kind(render(Context("chat", "ns"), spec))  # no API, no pool
+
+
+def test_several_gpus_run_one_model_with_tensor_parallelism():
+    spec = InferenceServiceSpec.model_validate({"model": {"uri": "dummy://llama-3-8b"}, "resources": {"gpus": 4}})
+    args = engine_args(Context("big", "ns"), spec)
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    assert serve_config(args).tensor_parallel_size == 4
+    own = InferenceServiceSpec.model_validate(
+        {"model": {"uri": "dummy://llama-3-8b"}, "resources": {"gpus": 4}, "engine": {"args": ["-tp", "2"]}}
+    )
+    assert engine_args(Context("big", "ns"), own).count("-tp") == 1  # the user's own choice stands
+    one = InferenceServiceSpec.model_validate({"model": {"uri": "dummy://llama-3-8b"}, "resources": {"gpus": 1}})
+    assert "--tensor-parallel-size" not in engine_args(Context("big", "ns"), one)
