@@ -246,7 +246,16 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
                 escape(label), rate, *([str(entry.get("replicas", "-"))] if args.replicas_for is not None else [])
             )
         console.print(table)
+        for label, entry in out["capacity"]["policies"].items():
+            if entry["max_rate"] > 0:
+                console.print(escape(capacity_snippet(label, entry["max_rate"], header.split(":")[0])), soft_wrap=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
         console.print(f"wrote {args.json}")
     return out
+
+
+def capacity_snippet(policy: str, rate: float, setup: str) -> str:
+    """The InferenceService fields that hand this result to the operator's SLO autoscaler."""
+    source = f"superinfer simulate --max-rate, {policy}, {setup}".replace('"', "'")
+    return f'{policy}: autoscaling: {{capacity: {{maxRatePerReplica: {rate:.2f}, source: "{source}"}}}}'

@@ -9,11 +9,13 @@ import sys
 import textwrap
 
 import pytest
+import yaml
 
 from superinfer.bench.workload import WorkItem, poisson_workload
 from superinfer.engine.cli import main
 from superinfer.engine.core.request import RequestStatus
 from superinfer.engine.slo import SLO
+from superinfer.operator.api.inference_service import InferenceServiceSpec
 from superinfer.sim.capacity import max_rate, replicas_for
 from superinfer.sim.config import SimConfig
 from superinfer.sim.report import point_report
@@ -227,6 +229,11 @@ def test_cli_vary_and_capacity(tmp_path, capsys):
     assert rc == 0
     entry = json.loads(out.read_text())["capacity"]["policies"]["fcfs"]
     assert entry["max_rate"] > 0 and entry["replicas"] >= replicas_for(100, entry["max_rate"])
+    # The result is printed as the InferenceService fields that hand it to the operator's autoscaler.
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fcfs: autoscaling:"))
+    fields = yaml.safe_load(line.split(": ", 1)[1])["autoscaling"]
+    spec = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "autoscaling": fields})
+    assert spec.autoscaling.capacity.max_rate_per_replica == pytest.approx(entry["max_rate"], abs=0.01)
     rc = main(
         [
             "simulate",

@@ -245,6 +245,17 @@ class ScaleDownSpec(KubeModel):
     """Survivors must be predicted under sensitivity x SLO to scale down."""
 
 
+class CapacityProfile(KubeModel):
+    """What one replica sustains, from `superinfer simulate --max-rate` (or a load test): the
+    autoscaler sizes scale-ups with it and checks scale-downs against it, and ignores it (saying so
+    in the decision) where the measured metrics show it is wrong."""
+
+    max_rate_per_replica: float = Field(gt=0)
+    """Requests per second one replica serves within the SLOs at the attainment target."""
+    source: str = ""
+    """Where the figure comes from (e.g. the simulate command line), for whoever reads the spec."""
+
+
 class AutoscalingSpec(KubeModel):
     enabled: bool = False
     min_replicas: int = Field(default=1, ge=1)
@@ -261,6 +272,7 @@ class AutoscalingSpec(KubeModel):
     service's series by namespace and inferenceservice label."""
     scale_up: ScaleUpSpec = _sub(ScaleUpSpec)
     scale_down: ScaleDownSpec = _sub(ScaleDownSpec)
+    capacity: CapacityProfile | None = None
 
     rules = (
         Rule(

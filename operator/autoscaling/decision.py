@@ -10,7 +10,9 @@ Order of the rules (first match wins):
    proportional scale-up, capped at +maxStepPercent (≤ 2×) and maxReplicas, after the cooldown;
 5. too few finished requests → hold (SLOMet=Unknown);
 6. healthy for stabilizationSeconds → remove one replica if the survivors, taking N/(N-1) of the
-   load, are predicted to keep every class under sensitivity × its SLO (consolidation check).
+   load, are predicted to keep every class under sensitivity × its SLO (consolidation check), and
+   the capacity profile, when given, lets N-1 replicas take the request rate.
+With a capacity profile, a scale-up is also at least as large as the profile says the rate needs.
 
 Latency is judged per SLO class (class_pressure.py), for the classes with minRequests finished requests
 in the window; attainment already judges each request against its own class.
@@ -59,6 +61,7 @@ class Params:
     advisory: bool = False
     swap_limit_gbps: float | None = None
     classes: Mapping[str, Targets] = field(default_factory=dict)  # the spec's, where the engine exports none
+    max_rate_per_replica: float | None = None  # the capacity profile, when the spec gives one
 
     @classmethod
     def from_spec(cls, spec: InferenceServiceSpec) -> Params:
@@ -80,6 +83,7 @@ class Params:
             max_num_seqs=spec.engine.max_num_seqs,
             advisory=a.mode == "Advisory",
             classes=spec_targets(spec.slo),
+            max_rate_per_replica=a.capacity.max_rate_per_replica if a.capacity else None,
         )
 
 
@@ -155,11 +159,38 @@ def distress_ratio(s: WindowStats, p: Params, replicas: int) -> tuple[float, str
     return reasons[0][0], "; ".join(text for _, text in reasons)
 
 
-def scale_up_target(current: int, ratio: float, p: Params) -> int:
-    """Proportional, at least +1, at most +maxStepPercent (≤ 2×) and maxReplicas."""
-    wanted = math.ceil(current * ratio - 1e-9)
+def scale_up_target(current: int, ratio: float, p: Params, profile_wants: int = 0) -> int:
+    """Proportional (or what the capacity profile wants, if more), at least +1, at most
+    +maxStepPercent (≤ 2×) and maxReplicas."""
+    wanted = max(math.ceil(current * ratio - 1e-9), profile_wants)
     cap = current + max(1, math.floor(current * p.max_step_percent / 100))
     return _clamp(max(current + 1, min(wanted, cap)), p)
+
+
+def request_rate(s: WindowStats) -> float:
+    """Finished requests per second over the window, all replicas together."""
+    return s.requests / s.span_seconds if s.span_seconds > 0 else 0.0
+
+
+def profile_replicas(s: WindowStats, p: Params) -> int:
+    """Replicas the capacity profile says the window's request rate needs (0 without a profile)."""
+    if not p.max_rate_per_replica:
+        return 0
+    return math.ceil(request_rate(s) / p.max_rate_per_replica - 1e-9)
+
+
+def profile_check(s: WindowStats, p: Params, n: int) -> tuple[bool, str]:
+    """Whether the capacity profile lets n-1 replicas take today's rate. Advisory: when n replicas
+    already meet the SLO above the profile's rate per replica, the profile underestimates and only
+    a note is returned."""
+    if not p.max_rate_per_replica:
+        return True, ""
+    rate, cap = request_rate(s), p.max_rate_per_replica
+    if rate / n > cap:
+        return True, f"capacity profile ignored: {rate / n:.2f} req/s per replica already meets the SLO (> {cap:g})"
+    if rate > (n - 1) * cap:
+        return False, f"capacity profile: {rate:.2f} req/s needs {math.ceil(rate / cap)} replica(s) at {cap:g} each"
+    return True, f"capacity profile: {rate:.2f} req/s fits {n - 1} replica(s) at {cap:g} each"
 
 
 @dataclass(frozen=True)
@@ -304,8 +335,10 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
             return out("Hold", n, "AtMaxReplicas", f"{why}; already at maxReplicas {p.max_replicas}", unhealthy)
         if mem.last_scale_at is not None and obs.now - mem.last_scale_at < p.cooldown_seconds:
             return out("Hold", n, "Cooldown", f"{why}; in scale-up cooldown", unhealthy)
-        target = scale_up_target(n, ratio, p)
-        return out("ScaleUp", target, "SLODistress", f"{why}: {n} → {target} replicas", unhealthy)
+        wants = profile_replicas(s, p)
+        target = scale_up_target(n, ratio, p, wants)
+        sized = f" (capacity profile: {request_rate(s):.2f} req/s needs {wants})" if wants > n else ""
+        return out("ScaleUp", target, "SLODistress", f"{why}: {n} → {target} replicas{sized}", unhealthy)
     # 5. Evidence.
     if s.requests < p.min_requests:
         return out("Hold", n, "TooFewRequests", f"{int(s.requests)} finished requests in the window")
@@ -320,6 +353,10 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
     if mem.last_scale_at is not None and obs.now - mem.last_scale_at < p.stabilization_seconds:
         return out("Hold", n, "Stabilizing", "recently scaled", healthy)
     ok, text = consolidation(s, p, n, model)
+    fits, note = profile_check(s, p, n)
+    text = f"{text}; {note}" if note else text
     if not ok:
         return out("Hold", n, "ConsolidationUnsafe", text, healthy)
+    if not fits:
+        return out("Hold", n, "OverCapacityProfile", text, healthy)
     return out("ScaleDown", n - 1, "Consolidate", text, replace(healthy, healthy_since=None))

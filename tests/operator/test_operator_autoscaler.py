@@ -473,3 +473,24 @@ def test_memory_survives_a_round_trip_through_status():
     assert scaler.memory == memory
     assert list(scaler.model.points) == [(4.0, 0.02), (9.5, 0.031)]
     assert scaler.status["history"] == [{"action": "ScaleUp"}]
+
+
+def test_a_capacity_profile_sizes_scale_ups():
+    # 200 requests in 120 s = 1.67 req/s; attainment 0.85 < 0.9 asks for 2 → 3 proportionally.
+    assert decide(obs(2, attainment=0.85), P, WARM).target == 3
+    profiled = replace(P, max_rate_per_replica=0.45)  # the profile says 1.67 req/s needs 4
+    d = decide(obs(2, attainment=0.85), profiled, WARM)
+    assert (d.action, d.target) == ("ScaleUp", 4) and "capacity profile: 1.67 req/s needs 4" in d.message
+    assert decide(obs(2, attainment=0.85), replace(P, max_rate_per_replica=0.1), WARM).target == 4  # ≤ 2×
+
+
+def test_a_capacity_profile_checks_scale_downs_unless_the_measurements_prove_it_wrong():
+    healthy_long = replace(WARM, healthy_since=T0 - 1000)
+    light = dict(running=4, tbt_mean_ms=20, tbt_p90_ms=25, ttft_p90_ms=150)  # the latency model says 1 copes
+    assert decide(obs(2, **light), replace(P, max_rate_per_replica=2.0), healthy_long).action == "ScaleDown"
+    d = decide(obs(2, **light), replace(P, max_rate_per_replica=1.0), healthy_long)  # 1.67 req/s > 1 replica
+    assert (d.action, d.reason) == ("Hold", "OverCapacityProfile")
+    assert "needs 2 replica(s)" in d.message
+    # Two replicas already meet the SLO at 0.83 req/s each, above the profile's 0.5: it is wrong, so advisory.
+    d = decide(obs(2, **light), replace(P, max_rate_per_replica=0.5), healthy_long)
+    assert d.action == "ScaleDown" and "capacity profile ignored" in d.message
