@@ -164,3 +164,10 @@ def test_engine_imports_without_triton(tmp_path) -> None:
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # not the root: its operator/
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_attention_bench_needs_cuda() -> None:
+    from superinfer.bench import attn
+
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        attn.main([])
