@@ -33,7 +33,10 @@ from superinfer.kernels.common import (
     upcast,
 )
 
-BLOCK_N = 64  # keys per tile
+# Keys per tile, and warps: without register spills on sm_90 (ptxas -v: 64 keys spill at 4 warps
+# and take all 255 registers at 8). Not yet tuned by timing on a GPU.
+BLOCK_N = 32
+NUM_WARPS = 4
 MIN_SPLIT = 512  # keys: a shorter split costs more in the reduction than it gains
 
 
@@ -260,8 +263,7 @@ def paged_decode(
         SPLIT=split,
         UPCAST=upcast(q.dtype),
         PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=NUM_WARPS,
     )
     if split:
         _reduce_kernel[(num_seqs, heads)](

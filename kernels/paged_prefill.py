@@ -36,6 +36,7 @@ from superinfer.kernels.paged_decode import attention_reference, gather_context
 
 BLOCK_N = 64  # keys per tile
 ROWS = 64  # query rows (tokens x heads of a KV head) per tile
+NUM_WARPS = 8  # 4 spill registers with head_dim 128 on sm_90 (ptxas -v); not yet tuned by timing on a GPU
 
 
 def block_m(group: int) -> int:
@@ -225,8 +226,7 @@ def paged_prefill(
         BLOCK_N=BLOCK_N,
         UPCAST=upcast(q.dtype),
         PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=NUM_WARPS,
     )
     return out
 

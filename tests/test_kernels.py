@@ -17,6 +17,8 @@ if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import random
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +43,7 @@ from superinfer.kernels.block_copy import copy_blocks_reference, gather_blocks, 
 from superinfer.kernels.common import cdiv
 from superinfer.kernels.kv_write import kv_write, kv_write_reference
 from superinfer.kernels.paged_decode import BLOCK_N, DecodeBatch, paged_decode, paged_decode_reference
+from superinfer.kernels.paged_prefill import BLOCK_N as PREFILL_BLOCK_N
 from superinfer.kernels.paged_prefill import ExtendBatch, paged_prefill, paged_prefill_reference
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -141,7 +144,7 @@ def test_decode_block_sizes_and_head_dims(block_size: int, head_dim: int, dtype:
 
 # (new tokens, context): first chunks at block boundaries, continued chunks (prefix hits, chunked
 # prefill) whose earlier keys fill whole BLOCK_N tiles, and decodes as 1-token extends.
-EXTENDS = [(16, 16), (17, 17), (5, 37), (1, 33), (40, 2 * BLOCK_N + 1), (1, 1), (15, BLOCK_N + 15)]
+EXTENDS = [(16, 16), (17, 17), (5, 37), (1, 33), (40, 2 * PREFILL_BLOCK_N + 1), (1, 1), (15, PREFILL_BLOCK_N + 15)]
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -257,6 +260,16 @@ def test_engine_greedy_tokens_match_torch_backend() -> None:
     triton_tokens = _greedy("triton", prompts, 6)
     assert triton_tokens == _greedy("torch", prompts, 6)
     assert all(len(t) == 6 for t in triton_tokens)
+
+
+def test_kernels_compile_for_a_gpu_without_one(tmp_path) -> None:
+    """The engine's launches (bf16, Llama-3-8B heads) compiled for sm_90 down to a cubin, in a
+    process of its own (this one has the interpreted kernels) with an empty Triton cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "superinfer.kernels.compile_check", "--arch", "90"]
+    out = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("sm_90") == 7, out.stdout
 
 
 # Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128; contexts to 8k.
