@@ -4,6 +4,9 @@ The KV cache is block-first, `[num_blocks, num_layers, 2, block_size, kv_heads, 
 kernel gets the whole tensor, the layer index and the strides, and finds a key of a sequence at
 position `pos` in block `block_table[pos // block_size]`, slot `pos % block_size`.
 
+Triton launches on the current CUDA device (and its current stream): the caller makes the
+tensors' device current (the runner does, with the Triton backend).
+
 Under the interpreter (`TRITON_INTERPRET=1`, read when `triton.jit` runs, so before these modules
 are imported) the kernels run on CPU tensors; `tl.dot` there is wrong on bf16, so bf16 operands are
 widened to fp32 first (`UPCAST`).

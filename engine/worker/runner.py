@@ -159,6 +159,8 @@ class ModelRunner:
         self.block_size = block_size
         self.scale = scale
         self.attention_backend, self.attention = attention_backend(attention, self.device)
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches on the current device's current stream
         self.generators: dict[str, torch.Generator] = {}
         self.histories = TokenHistories(model.config.vocab_size, self.device)
         self.grammars = grammars
