@@ -1,7 +1,7 @@
 """Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
 
 python -m bench.run            # CPU: peer, sched, slo, ragged (tiny model), moe (small MoE models), tp (tiny, -tp 2)
-python -m bench.run --gpu      # GPU: step, copy, slo (llama-3-8b dummy weights), GPU tests
+python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, slo (llama-3-8b dummy weights)
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ CPU = [["bench.peer"], ["bench.sched"], ["bench.slo"], ["bench.ragged"], ["bench
 GPU = [
     ["pytest", "-q", "-m", "gpu", "tests"],
     ["bench.step", "--device", "cuda"],
+    ["bench.attn"],
     ["bench.copy", "--device", "cuda"],
     ["bench.slo", "--device", "cuda", "--duration", "30", "--gpu-memory-utilization", "0.3"],
 ]

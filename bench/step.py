@@ -131,7 +131,7 @@ def main() -> None:
         "model": args.model,
         "context": args.context,
         "dtype": str(core.dtype).split(".")[-1],
-        "attention": "torch backend (per-step groups: gather + SDPA); Triton kernels pending",
+        "attention": core.runner.attention_backend,
     }
     print(f"wrote {write_result('step', args.device, figures, goal, extra)}")
 

@@ -72,6 +72,12 @@ class EngineConfig(BaseModel):
     write_through: bool = Field(
         True, description="copy full KV blocks to the CPU tier as they fill, so a rotation copies only the tail"
     )
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="paged attention: triton (the Triton kernels; needs the gpu extra, and on the CPU "
+        "TRITON_INTERPRET=1: interpreted, for tests), torch (the reference: gather + SDPA), auto (triton on CUDA "
+        "when triton imports, else torch)",
+    )
 
     # Scheduler
     policy: Literal["fcfs", "rotary", "watermark"] = "fcfs"

@@ -67,6 +67,7 @@ SERVE_FLAGS = (
     "--duplex",
     "--write-through",
     "--no-write-through",
+    "--attention-backend",
     "--policy",
     "--max-num-seqs",
     "--max-num-batched-tokens",

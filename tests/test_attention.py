@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from superinfer.engine.worker import attention
 from superinfer.engine.worker.attention import (
     AttentionGroup,
     PagedAttention,
     SeqSpan,
     allocate_kv_cache,
     plan_attention,
+    resolve_backend,
 )
 
 LAYERS, KV_HEADS, HEADS, DIM = 2, 2, 4, 16
@@ -126,3 +130,44 @@ def test_groups_bound_padding_and_size() -> None:
 @pytest.mark.gpu
 def test_ragged_steps_match_dense_attention_cuda() -> None:
     _run_steps(1, 16, pad_tokens=64, group_bytes=4 << 20, device="cuda")
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_backend_choice_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: torch on the CPU (triton never imported there); triton on the CPU only interpreted."""
+    assert resolve_backend("auto", CPU) == "torch"
+    assert resolve_backend("torch", CUDA) == "torch"
+    monkeypatch.setattr(attention, "_triton_imports", lambda: True)
+    assert resolve_backend("auto", CUDA) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_backend("triton", CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", CPU) == "triton"
+    with pytest.raises(ValueError, match="not mps"):
+        resolve_backend("triton", torch.device("mps"))
+    monkeypatch.setattr(attention, "_triton_imports", lambda: False)
+    assert resolve_backend("auto", CUDA) == "torch"
+    with pytest.raises(ValueError, match="triton is not installed"):
+        resolve_backend("triton", CUDA)
+
+
+def test_engine_imports_without_triton(tmp_path) -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # `import triton` raises ImportError
+        "import torch\n"
+        "from superinfer.engine import cli, engine, server\n"
+        "from superinfer.engine.worker.attention import resolve_backend\n"
+        "assert resolve_backend('auto', torch.device('cuda')) == 'torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # not the root: its operator/
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_attention_bench_needs_cuda() -> None:
+    from superinfer.bench import attn
+
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        attn.main([])

@@ -14,13 +14,17 @@ whatever the number of sequences:
     a mask: a padded query row or key never reaches a real one;
   * a chunk that continues a prompt attends to everything before it too: a group of its own, with
     an explicit causal mask.
-The Triton kernels will replace this on GPUs; it stays the reference they are tested against.
+The Triton kernels (superinfer.kernels, wired in triton_attention.py) run instead on CUDA; this
+stays their reference. `attention_backend` picks one of the two for `--attention-backend`.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -225,3 +229,53 @@ class PagedAttention:
         )
         out = out.transpose(1, 2).reshape(g.n * g.q_len, heads, dim)
         return out if g.picked is None else out.index_select(0, g.picked)
+
+
+# One step's attention: (the step's sequences, the cache, the softmax scale) -> the callable the
+# model runs per layer, (layer, q, k, v) -> out.
+StepAttention = Callable[[Sequence[SeqSpan], torch.Tensor, float], Callable[..., torch.Tensor]]
+
+
+def torch_attention(spans: Sequence[SeqSpan], kv_cache: torch.Tensor, scale: float) -> PagedAttention:
+    return PagedAttention(kv_cache, plan_attention(spans, kv_cache), scale)
+
+
+def _triton_imports() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(choice: str, device: torch.device) -> Literal["torch", "triton"]:
+    """`auto`: Triton on CUDA when triton imports, else torch. `triton` on the CPU runs the kernels
+    in Triton's interpreter (slow: for tests), so it needs TRITON_INTERPRET=1."""
+    if choice == "torch":
+        return "torch"
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and _triton_imports() else "torch"
+    if choice != "triton":
+        raise ValueError(f"unknown attention backend {choice!r}; choose auto, torch or triton")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"--attention-backend triton runs on CUDA (or the CPU, interpreted), not {device.type}")
+    if not _triton_imports():
+        raise ValueError("--attention-backend triton: triton is not installed (pip install 'superinfer[gpu]')")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--attention-backend triton on the CPU runs Triton's interpreter (slow, for tests): set TRITON_INTERPRET=1"
+        )
+    return "triton"
+
+
+def attention_backend(choice: str, device: torch.device) -> tuple[str, StepAttention]:
+    """The backend `choice` resolves to on `device`: its name and its per-step attention."""
+    name = resolve_backend(choice, device)
+    if name == "torch":
+        return name, torch_attention
+    from superinfer.engine.worker.triton_attention import TritonPagedAttention
+    from superinfer.kernels.common import INTERPRETED
+
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError("the Triton kernels were imported before TRITON_INTERPRET=1 was set: set it at startup")
+    return name, TritonPagedAttention

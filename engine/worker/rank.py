@@ -163,6 +163,8 @@ def make_runner(
         duplex=config.duplex,
         streams=streams,
         grammars=grammars,
+        attention=config.attention_backend,
     )
+    log.info("rank %d: attention backend %s", model.tp.rank, runner.attention_backend)
     memory = RankMemory(model.tp.rank, str(device), weight_bytes(model), block_bytes, num_blocks, num_cpu_blocks)
     return runner, memory

@@ -22,7 +22,7 @@ import torch
 
 from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
-from superinfer.engine.worker.attention import PagedAttention, SeqSpan, plan_attention
+from superinfer.engine.worker.attention import SeqSpan, attention_backend
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies
 from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
 from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
@@ -146,7 +146,9 @@ class ModelRunner:
         duplex: DuplexMode = "full",
         streams: Streams | None = None,
         grammars: GrammarCompiler | None = None,
+        attention: str = "auto",
     ) -> None:
+        """`attention`: the attention backend, auto, torch or triton (see attention.attention_backend)."""
         self.model = model
         self.tp = model.tp
         self.kv_cache = kv_cache
@@ -156,6 +158,9 @@ class ModelRunner:
         self.duplex = DuplexKV(kv_cache, cpu_cache, streams, duplex)
         self.block_size = block_size
         self.scale = scale
+        self.attention_backend, self.attention = attention_backend(attention, self.device)
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches on the current device's current stream
         self.generators: dict[str, torch.Generator] = {}
         self.histories = TokenHistories(model.config.vocab_size, self.device)
         self.grammars = grammars
@@ -236,7 +241,7 @@ class ModelRunner:
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
         sampling = [s for s in plan.seqs if s.sample]
         masks = self._start_masks(sampling) if self.tp.rank == 0 else None
-        attn = PagedAttention(self.kv_cache, plan_attention(x.spans, self.kv_cache), self.scale)
+        attn = self.attention(x.spans, self.kv_cache, self.scale)
         hidden = self.model(input_ids, self._tensor(x.positions), attn)
         if x.prompt_rows:
             self._score_prompts(hidden, x, step)

@@ -1,0 +1,150 @@
+"""attn: decode attention on Llama-3-8B shapes, the Triton backend against the torch backend.
+
+B sequences of C keys each in shuffled blocks, one query token each (32 query heads, 8 KV heads,
+head_dim 128, bf16). Per (B, C): the time of one layer's attention call of each backend (its KV
+write included), the Triton decode kernel alone, and the bandwidth that kernel achieves: the K and
+V bytes it must read, B x C x 2 x 8 x 128 x 2, over its time, also as a share of the HBM bandwidth
+measured in the same run (a large device-to-device copy). Also the host time to build one step's
+metadata for each backend. GPU only: there is nothing to measure on a CPU.
+
+    python -m bench.attn [--batches 1,8,32,64,128,256] [--contexts 1024,2048,4096,8192] [--block-size 16]
+
+The cache holds 2 layers (the benchmark attends layer 1): a block's K of one layer is the same
+contiguous run as in a 32-layer cache (block_size x 8 x 128 elements), at a shorter block stride.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from superinfer.bench.record import write_result
+from superinfer.engine.worker.attention import SeqSpan, torch_attention
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 2
+DTYPE = torch.bfloat16
+
+
+def cuda_time_us(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Median microseconds of fn() on the current CUDA stream (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def host_time_us(fn: Callable[[], object], iters: int = 5) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def decode_step(batch: int, context: int, block_size: int, device: torch.device) -> tuple[list[SeqSpan], torch.Tensor]:
+    """`batch` decodes of `context` keys (the last one new) in shuffled blocks of a fresh cache."""
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq
+    cache = torch.empty(num_blocks, LAYERS, 2, block_size, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    cache.normal_()
+    ids = list(range(num_blocks))
+    random.Random(0).shuffle(ids)
+    spans = [SeqSpan(i, 1, context, ids[i * per_seq : (i + 1) * per_seq]) for i in range(batch)]
+    return spans, cache
+
+
+def fits(batch: int, context: int, block_size: int, device: torch.device) -> bool:
+    """Room for the cache and the torch backend's gathered K and V (a group at a time, ~2x a step's KV)."""
+    kv_bytes = batch * -(-context // block_size) * block_size * 2 * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    return LAYERS * kv_bytes + 2 * kv_bytes + (2 << 30) < free
+
+
+def measure(batch: int, context: int, block_size: int, device: torch.device, hbm: float) -> dict[str, float]:
+    from superinfer.engine.worker.triton_attention import TritonPagedAttention
+    from superinfer.kernels.paged_decode import paged_decode
+
+    spans, cache = decode_step(batch, context, block_size, device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    k, v = (torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device) for _ in range(2))
+    scale = HEAD_DIM**-0.5
+    ours, theirs = TritonPagedAttention(spans, cache, scale), torch_attention(spans, cache, scale)
+    assert ours.decodes is not None
+    out = torch.empty_like(q)
+    kernel_us = cuda_time_us(lambda: paged_decode(q, cache, 1, ours.decodes, scale, out=out))
+    read = batch * context * 2 * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    key = f"b{batch}_c{context}"
+    figures = {
+        f"triton_decode_{key}_us": kernel_us,
+        f"triton_decode_{key}_gb_s": read / kernel_us / 1e3,
+        f"triton_decode_{key}_share_of_hbm": read / (kernel_us * 1e-6) / hbm,
+        f"triton_decode_{key}_splits": -(-ours.decodes.max_context // ours.decodes.split_keys),
+        f"triton_layer_{key}_us": cuda_time_us(lambda: ours(1, q, k, v)),
+        f"torch_layer_{key}_us": cuda_time_us(lambda: theirs(1, q, k, v)),
+        f"triton_plan_{key}_us": host_time_us(lambda: TritonPagedAttention(spans, cache, scale)),
+        f"torch_plan_{key}_us": host_time_us(lambda: torch_attention(spans, cache, scale)),
+    }
+    # The same attention, or the times mean nothing.
+    torch.testing.assert_close(ours(1, q, k, v), theirs(1, q, k, v), atol=2e-2, rtol=2e-2)
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--contexts", default="1024,2048,4096,8192")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise SystemExit("bench.attn measures GPU kernels: it needs a CUDA device (--device cuda)")
+    try:
+        import triton
+    except ImportError:
+        raise SystemExit("bench.attn needs triton: pip install 'superinfer[gpu]'") from None
+    from superinfer.bench.step import hbm_bandwidth
+
+    hbm = hbm_bandwidth(device)
+    figures: dict[str, float] = {"hbm_gb_s_measured": hbm / 1e9}
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            if not fits(batch, context, args.block_size, device):
+                print(f"B={batch} C={context}: does not fit, skipped")
+                continue
+            got = measure(batch, context, args.block_size, device, hbm)
+            figures.update(got)
+            key = f"b{batch}_c{context}"
+            print(
+                f"B={batch:4d} C={context:5d}: triton kernel {got[f'triton_decode_{key}_us']:8.1f} us "
+                f"({got[f'triton_decode_{key}_share_of_hbm']:.0%} of HBM), layer call triton "
+                f"{got[f'triton_layer_{key}_us']:8.1f} us vs torch {got[f'torch_layer_{key}_us']:8.1f} us",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    goal = {"triton_decode_b64_c4096_share_of_hbm": ">= 0.7", "triton_layer_*_us": "< torch_layer_*_us everywhere"}
+    extra = {
+        "shapes": f"Llama-3-8B attention: {HEADS} q heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16",
+        "block_size": args.block_size,
+        "triton": triton.__version__,
+    }
+    print(f"wrote {write_result('attn', args.device, figures, goal, extra)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The Triton kernels against their torch references, and the engine on them.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here
+before any kernel module is imported: triton.jit reads it), on tiny shapes; with CUDA the same
+tests run compiled, and the `gpu` tests add Llama-3-8B shapes. Without triton the module skips.
+"""
+
+# ruff: noqa: E402 (TRITON_INTERPRET must be set before the kernel modules are imported)
+from __future__ import annotations
+
+import os
+
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2])
+
+
+triton = pytest.importorskip("triton")
+if not GPU and _version(triton.__version__) < (3, 7) and _version(np.__version__) >= (2, 4):
+    pytest.skip("Triton < 3.7's interpreter fails with numpy >= 2.4: upgrade triton", allow_module_level=True)
+
+from superinfer.engine.config import EngineConfig
+from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.engine import EngineCore
+from superinfer.engine.worker.attention import SeqSpan, attention_backend, torch_attention
+from superinfer.engine.worker.triton_attention import TritonPagedAttention, token_slots
+from superinfer.kernels.block_copy import copy_blocks_reference, gather_blocks, scatter_blocks
+from superinfer.kernels.common import cdiv
+from superinfer.kernels.kv_write import kv_write, kv_write_reference
+from superinfer.kernels.paged_decode import BLOCK_N, DecodeBatch, paged_decode, paged_decode_reference
+from superinfer.kernels.paged_prefill import BLOCK_N as PREFILL_BLOCK_N
+from superinfer.kernels.paged_prefill import ExtendBatch, paged_prefill, paged_prefill_reference
+
+DEVICE = torch.device("cuda" if GPU else "cpu")
+LAYERS = 2
+# bf16 through the interpreter only via the kernels' fp32 upcast (its bf16 tl.dot is wrong).
+DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+    torch.float16: {"atol": 3e-3, "rtol": 1e-2},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+@dataclass
+class Paged:
+    """A cache holding some sequences in shuffled, scattered blocks."""
+
+    cache: torch.Tensor
+    block_ids: list[list[int]]
+    contexts: list[int]
+
+
+def paged(
+    contexts: Sequence[int],
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    poison: bool = True,
+) -> Paged:
+    """With `poison` every slot the sequences do not own (unused blocks, the tails of their last
+    blocks) is NaN, so a kernel that reads one fails; else it holds stale random values."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(cdiv(c, block_size) for c in contexts) + 3
+    shape = (num_blocks, LAYERS, 2, block_size, kv_heads, head_dim)
+    cache = torch.full(shape, float("nan")) if poison else torch.randn(shape, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    block_ids = []
+    for c in contexts:
+        ids = [order.pop() for _ in range(cdiv(c, block_size))]
+        for i, b in enumerate(ids):
+            used = min(block_size, c - i * block_size)
+            cache[b, :, :, :used] = torch.randn(LAYERS, 2, used, kv_heads, head_dim, generator=gen)
+        block_ids.append(ids)
+    return Paged(cache.to(DEVICE, dtype), block_ids, list(contexts))
+
+
+def queries(rows: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    """[rows, heads, head_dim], a non-contiguous view (as q is, split from a fused projection)."""
+    wide = torch.randn(rows, heads + 3, head_dim, generator=torch.Generator().manual_seed(seed))
+    return wide.to(DEVICE, dtype)[:, 1 : heads + 1]
+
+
+def close(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[dtype])
+
+
+# Block boundaries (k * 16 and +-1), one key, and past one BLOCK_N tile.
+DECODE_CONTEXTS = [1, 15, 16, 17, 31, 33, 2 * BLOCK_N + 3]
+
+
+@pytest.mark.parametrize("split_keys", [None, BLOCK_N], ids=["whole", "split"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_matches_reference(dtype: torch.dtype, group: int, split_keys: int | None) -> None:
+    kv_heads, head_dim, block_size = 2, 64, 16
+    p = paged(DECODE_CONTEXTS, block_size, kv_heads, head_dim, dtype)
+    q = queries(len(DECODE_CONTEXTS) + 2, group * kv_heads, head_dim, dtype)
+    rows = random.Random(group).sample(range(q.shape[0]), len(DECODE_CONTEXTS))  # rows anywhere in the step
+    batch = DecodeBatch.build(rows, p.contexts, p.block_ids, block_size, DEVICE, kv_heads, split_keys)
+    assert (batch.max_context > batch.split_keys) == (split_keys is not None)
+    out = torch.full(q.shape, 7.0, dtype=dtype, device=DEVICE)
+    paged_decode(q, p.cache, 1, batch, 0.125, out=out)
+    want = paged_decode_reference(q, p.cache, 1, rows, p.contexts, p.block_ids, 0.125)
+    close(out[rows], want, dtype)
+    untouched = sorted(set(range(q.shape[0])) - set(rows))
+    assert (out[untouched] == 7.0).all()
+
+
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "dtype"),
+    [(1, 64, torch.float32), (32, 128, torch.float16), (16, 80, torch.float32), (16, 64, torch.bfloat16)],
+    ids=["block1", "block32-dim128", "dim80", "bf16"],
+)
+def test_decode_block_sizes_and_head_dims(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    # The longest has 18 splits: the reduction takes them 16 at a time.
+    contexts = [1, block_size, block_size + 1, 3 * block_size - 1, 17 * BLOCK_N + 5]
+    p = paged(contexts, block_size, 1, head_dim, dtype, seed=2)
+    late = p.block_ids[-1][16 * BLOCK_N // block_size :]
+    p.cache[late, 0, 0] *= 4  # larger scores in the last splits: the reduction must rescale
+    q = queries(len(contexts), 4, head_dim, dtype)
+    rows = list(range(len(contexts)))
+    batch = DecodeBatch.build(rows, contexts, p.block_ids, block_size, DEVICE, 1, BLOCK_N)
+    out = paged_decode(q, p.cache, 0, batch, head_dim**-0.5)
+    close(out, paged_decode_reference(q, p.cache, 0, rows, contexts, p.block_ids, head_dim**-0.5), dtype)
+
+
+# (new tokens, context): first chunks at block boundaries, continued chunks (prefix hits, chunked
+# prefill) whose earlier keys fill whole BLOCK_N tiles, and decodes as 1-token extends.
+EXTENDS = [(16, 16), (17, 17), (5, 37), (1, 33), (40, 2 * PREFILL_BLOCK_N + 1), (1, 1), (15, PREFILL_BLOCK_N + 15)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_matches_reference(dtype: torch.dtype, group: int) -> None:
+    kv_heads, head_dim, block_size = 2, 64, 16
+    lens, contexts = [n for n, _ in EXTENDS], [c for _, c in EXTENDS]
+    p = paged(contexts, block_size, kv_heads, head_dim, dtype)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    q = queries(sum(lens), group * kv_heads, head_dim, dtype)
+    batch = ExtendBatch.build(starts, lens, contexts, p.block_ids, block_size, group, DEVICE)
+    out = paged_prefill(q, p.cache, 1, batch, 0.125)
+    close(out, paged_prefill_reference(q, p.cache, 1, starts, lens, contexts, p.block_ids, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.bfloat16], ids=str)
+def test_kv_write_is_exact(dtype: torch.dtype) -> None:
+    cache = torch.randn(9, LAYERS, 2, 4, 2, 64).to(DEVICE, dtype)
+    qkv = torch.randn(21, 7, 64).to(DEVICE, dtype)  # k and v as views of a fused projection
+    k, v = qkv[:, 3:5], qkv[:, 5:7]
+    slots = torch.randperm(36)[:21].to(torch.int32)
+    slots[[2, 11]] = -1  # not written
+    slots = slots.to(DEVICE)
+    want = cache.clone()
+    kv_write(cache, 1, k, v, slots)
+    kv_write_reference(want, 1, k, v, slots.long())
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.bfloat16], ids=str)
+def test_block_gather_and_scatter_are_exact(dtype: torch.dtype) -> None:
+    # 9216 elements a block: two whole 4096-element chunks and a partial one.
+    cache = torch.randn(12, LAYERS, 2, 16, 2, 72).to(DEVICE, dtype)
+    ids = torch.tensor([9, 2, 7, 3, 11], dtype=torch.int32, device=DEVICE)
+    staging = torch.zeros(8, *cache.shape[1:], dtype=dtype, device=DEVICE)
+    assert torch.equal(gather_blocks(cache, ids, staging), cache[ids.long()])
+    assert not staging[5:].any()
+    target, want = cache.clone(), cache.clone()
+    back = staging[:5].flip(0).contiguous()
+    scatter_blocks(back, target, ids)
+    copy_blocks_reference(back, want, dst_ids=ids.long())
+    assert torch.equal(target, want)
+
+
+def _mixed_step(block_size: int, group: int, seed: int) -> tuple[list[SeqSpan], Paged]:
+    """A step of first chunks, continued chunks and decodes in shuffled rows, over a cache that
+    already holds each sequence's earlier keys."""
+    rng = random.Random(seed)
+    kinds = [(16, 16), (3, 20), (1, 17), (1, 40), (9, 9), (1, 2), (24, 90)]
+    rng.shuffle(kinds)
+    p = paged([c for _, c in kinds], block_size, 2, 64, torch.float32, seed, poison=False)  # torch reads stale slots
+    spans, row = [], 0
+    for (n, c), ids in zip(kinds, p.block_ids, strict=True):
+        spans.append(SeqSpan(row, n, c, ids))
+        row += n
+    return spans, p
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_triton_step_matches_torch_backend(group: int) -> None:
+    """The whole backend: KV write, decodes and extends in one step, against the torch backend."""
+    spans, p = _mixed_step(16, group, seed=group)
+    rows = sum(s.num_tokens for s in spans)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(rows, h, 64, generator=gen).to(DEVICE) for h in (2 * group, 2, 2))
+    ours, theirs = p.cache.clone(), p.cache.clone()
+    triton_attn = TritonPagedAttention(spans, ours, 0.125)
+    torch_attn = torch_attention(spans, theirs, 0.125)
+    for layer in range(LAYERS):
+        args = (q * (layer + 1), k + layer, v - layer)
+        close(triton_attn(layer, *args), torch_attn(layer, *args), torch.float32)
+    assert torch.equal(ours, theirs)
+
+
+def test_token_slots() -> None:
+    spans = [SeqSpan(0, 3, 5, [4, 9]), SeqSpan(3, 1, 1, [7])]
+    assert token_slots(spans, 4) == [4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 0, 7 * 4 + 0]
+
+
+def test_backend_choice() -> None:
+    assert attention_backend("triton", DEVICE)[0] == "triton"
+    assert attention_backend("torch", DEVICE)[0] == "torch"
+    assert attention_backend("auto", DEVICE)[0] == ("triton" if GPU else "torch")
+
+
+def _greedy(backend: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    core = EngineCore(
+        EngineConfig(
+            model="tiny",
+            device=str(DEVICE),
+            dtype="float32",
+            block_size=8,
+            num_gpu_blocks=16,
+            max_model_len=64,
+            attention_backend=backend,
+        )
+    )
+    assert core.runner.attention_backend == backend
+    greedy = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, greedy)
+    out: list[list[int]] = [[] for _ in prompts]
+    while core.has_work:
+        for o in core.step():
+            out[int(o.request_id)] += o.token_ids
+    return out
+
+
+def test_engine_greedy_tokens_match_torch_backend() -> None:
+    """The tiny model (4 layers, GQA 2, head_dim 64) on the Triton kernels: prefill across a block
+    boundary, then decodes crossing the next one; the same greedy tokens as the torch backend."""
+    prompts = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000]]
+    triton_tokens = _greedy("triton", prompts, 6)
+    assert triton_tokens == _greedy("torch", prompts, 6)
+    assert all(len(t) == 6 for t in triton_tokens)
+
+
+def test_kernels_compile_for_a_gpu_without_one(tmp_path) -> None:
+    """The engine's launches (bf16, Llama-3-8B heads) compiled for sm_90 down to a cubin, in a
+    process of its own (this one has the interpreted kernels) with an empty Triton cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "superinfer.kernels.compile_check", "--arch", "90"]
+    out = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("sm_90") == 7, out.stdout
+
+
+# Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128; contexts to 8k.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_decode_llama3_8b_shapes(dtype: torch.dtype, block_size: int, split: bool) -> None:
+    contexts = [1, block_size - 1, block_size, block_size + 1, 1000, 4095, 8192]
+    p = paged(contexts, block_size, 8, 128, dtype)
+    q = queries(len(contexts), 32, 128, dtype)
+    rows = list(range(len(contexts)))
+    batch = DecodeBatch.build(rows, contexts, p.block_ids, block_size, DEVICE, 8, 512 if split else 8192)
+    out = paged_decode(q, p.cache, 1, batch, 128**-0.5)
+    close(out, paged_decode_reference(q, p.cache, 1, rows, contexts, p.block_ids, 128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_prefill_llama3_8b_shapes(dtype: torch.dtype, block_size: int) -> None:
+    extends = [(2048, 2048), (300, 8192), (1, 4097), (block_size + 1, block_size + 1), (1, 1), (517, 6000)]
+    lens, contexts = [n for n, _ in extends], [c for _, c in extends]
+    p = paged(contexts, block_size, 8, 128, dtype)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    q = queries(sum(lens), 32, 128, dtype)
+    batch = ExtendBatch.build(starts, lens, contexts, p.block_ids, block_size, 4, DEVICE)
+    out = paged_prefill(q, p.cache, 1, batch, 128**-0.5)
+    close(out, paged_prefill_reference(q, p.cache, 1, starts, lens, contexts, p.block_ids, 128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+def test_block_copy_llama3_8b_blocks() -> None:
+    cache = torch.randn(300, 32, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.randperm(300, device=DEVICE)[:64].to(torch.int32)
+    staging = torch.empty(64, *cache.shape[1:], dtype=cache.dtype, device=DEVICE)
+    assert torch.equal(gather_blocks(cache, ids, staging), cache[ids.long()])
+    scatter_blocks(staging.flip(0).contiguous(), cache, ids)
+    assert torch.equal(cache[ids.long()], staging.flip(0))
