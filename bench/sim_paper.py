@@ -1,14 +1,16 @@
 """The paper's SLO experiment on simulated replicas, as one command.
 
-Llama-3-8B, ShareGPT-like synthetic lengths, Poisson arrivals at 35-60 req/s, SLO 5 s / 100 ms,
+Llama-3-8B, ShareGPT-like synthetic lengths, Poisson arrivals at 35-60 req/s (Qwen2.5-32B and
+Mixtral-8x7B: 5-20 req/s, `--model`), SLO 5 s / 100 ms,
 `fcfs` vs `rotary` vs `watermark`, on the GH200 profile (NVLink-C2C) and the H100 profile (PCIe
 Gen5 host link); then rotary's transfer budget (B_xfer) and alpha sweeps at the top rate on GH200.
 The GPU KV pool is set to `--gpu-kv-gib` (default 8 GiB, 65k tokens): the paper's regime is KV
 memory exhausted, which a whole GH200 (~860k tokens of KV for Llama-3-8B) never reaches at these
-rates. Results: bench/results/sim-paper-cpu-<date>.json and one plot per profile.
+rates. Results: bench/results/sim-paper[-<model>]-cpu-<date>.json and one plot per profile.
 
-    python -m bench.sim_paper                 # 60 s per point, 2 processes
-    python -m bench.sim_paper --quick         # 20 s per point, 3 rates, no ablations
+    python -m bench.sim_paper                          # Llama-3-8B, 60 s per point, 2 processes
+    python -m bench.sim_paper --model mixtral-8x7b     # the larger models at 5-20 req/s
+    python -m bench.sim_paper --quick                  # 20 s per point, 3 rates, no ablations
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from superinfer.sim.sweep import Sweep, Variant, run_sweep, variants
 from superinfer.sim.workload_spec import WorkloadSpec
 
 POLICIES = ("fcfs", "rotary", "watermark")
-RATES = (35.0, 40.0, 45.0, 50.0, 55.0, 60.0)
-QUICK_RATES = (35.0, 45.0, 60.0)
+RATES = {"llama-3-8b": (35.0, 40.0, 45.0, 50.0, 55.0, 60.0)}
+LARGE_MODEL_RATES = (5.0, 10.0, 15.0, 20.0)  # the paper's range for Qwen2.5-32B and Mixtral-8x7B
 PROFILES = ("gh200", "h100")
 ABLATIONS = ("transfer_budget_blocks=300,600,1200,2400,4800", "alpha=0.5,1,3,10")
 
@@ -73,14 +75,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.duration, args.ablations = min(args.duration, 20.0), False
-    rates = QUICK_RATES if args.quick else RATES
+    rates = RATES.get(args.model, LARGE_MODEL_RATES)
+    if args.quick:
+        rates = (rates[0], rates[len(rates) // 2], rates[-1])
+    suffix = "" if args.model == "llama-3-8b" else f"-{args.model}"  # Llama keeps the paper's file names
     workload = WorkloadSpec(duration_s=args.duration, seed=args.seed, slo=SLO(5000.0, 100.0))
     t0 = time.perf_counter()
     figures: dict[str, Any] = {"profiles": {}}
     for profile in PROFILES:
         base = SimConfig(model=args.model, hardware=profile, gpu_kv_gib=args.gpu_kv_gib)
         sweep = sweep_profile(base, workload, variants(POLICIES, []), rates, args.jobs)
-        plot = plot_sweep(sweep, RESULTS / f"sim-paper-{profile}.png", f"{args.model} on {profile} (simulated)")
+        plot = plot_sweep(sweep, RESULTS / f"sim-paper{suffix}-{profile}.png", f"{args.model} on {profile} (simulated)")
         figures["profiles"][profile] = {
             "points": sweep.points,
             "top_rate": headline(sweep.points),
@@ -104,7 +109,9 @@ def main() -> None:
         },
         "workload": {"rates": list(rates), **{k: str(v) for k, v in dataclasses.asdict(workload).items()}},
     }
-    print(f"wrote {write_result('sim', 'cpu', figures, goal, extra, tag='paper')} in {figures['wall_s']:.0f} s")
+    print(
+        f"wrote {write_result('sim', 'cpu', figures, goal, extra, tag='paper' + suffix)} in {figures['wall_s']:.0f} s"
+    )
 
 
 if __name__ == "__main__":
