@@ -26,7 +26,9 @@ and exits when the server's end of the pipe closes.
 
 Because the server detokenizes, a request that ends on a stop string may have computed a token or
 two past it by the time the engine hears of it: those are dropped (vLLM's API server does the
-same), but they appear in the engine's token counters and latency histograms.
+same), but they appear in the engine's token counters and latency histograms; and one whose stop
+string is completed by the token that also ends it (max_tokens, EOS) answers "stop" but is counted
+under the engine's own reason.
 """
 
 from __future__ import annotations
@@ -262,9 +264,10 @@ class ProcessEngine:
             text = stream.text
             for i, token in enumerate(token_ids):
                 text.feed(token, last=finished and i == len(token_ids) - 1)
-            if text.stopped and not finished:  # a stop string matched: the engine ends it too
+            if text.stopped:  # a stop string matched (also on the very last token): the engine ends it too
+                if not finished:
+                    self._send(("finish", rid))
                 finished, reason = True, "stop"
-                self._send(("finish", rid))
             if finished:
                 del self._streams[rid]
             stream.outputs.put_nowait(

@@ -180,6 +180,18 @@ async def test_a_stop_string_ends_the_request_in_the_engine_too(proc):
     assert await finished(proc, "stop") == before + 1
 
 
+@ON_THE_MODULE_LOOP
+async def test_a_stop_string_completed_by_the_last_token_is_a_stop(proc, threaded):
+    body = {"model": SERVED_MODEL, "prompt": "abc", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    plain = (await api.post(threaded, c.COMPLETIONS_PATH, body))[1]
+    stop = plain["choices"][0]["text"][4:6]
+    stopped = (await api.post(threaded, c.COMPLETIONS_PATH, {**body, "stop": [stop]}))[1]
+    last = {**body, "stop": [stop], "max_tokens": stopped["usage"]["completion_tokens"]}  # it ends by length too
+    answers = [(await api.post(server, c.COMPLETIONS_PATH, last))[1] for server in (threaded, proc)]
+    assert [a["choices"][0]["finish_reason"] for a in answers] == ["stop", "stop"]
+    assert comparable(answers[0]) == comparable(answers[1])
+
+
 async def finished(server: RunningServer, reason: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
