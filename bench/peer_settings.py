@@ -17,6 +17,7 @@ from pathlib import Path
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 VLLM = "vllm"  # the contender name of vLLM (ours are named by policy)
 POLICIES = ("fcfs", "rotary", "watermark")
+ENGINE_MODES = {"proc": True, "thread": False}  # our `+MODE` suffix: --engine-process or --no-engine-process
 
 
 @dataclass(frozen=True)
@@ -35,26 +36,39 @@ class Matched:
 
 @dataclass(frozen=True)
 class Contender:
-    """One server configuration: `vllm` or one of our policies, with its compute threads."""
+    """One server configuration: `vllm` or one of our policies, with its compute threads, and for
+    ours optionally where the engine core runs (`+proc`: its own process, `+thread`: a thread of
+    the server's; neither: the server's default)."""
 
     policy: str
     threads: int
+    engine: str | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.policy}@{self.threads}"
+        return f"{self.policy}@{self.threads}" + (f"+{self.engine}" if self.engine else "")
 
     @property
     def is_vllm(self) -> bool:
         return self.policy == VLLM
 
+    @property
+    def engine_process(self) -> bool | None:
+        return ENGINE_MODES[self.engine] if self.engine else None
+
     @classmethod
     def parse(cls, text: str) -> Contender:
-        """`vllm@1`, `rotary@2`, ...: a policy (or vllm) and a thread count."""
-        policy, sep, threads = text.strip().partition("@")
-        if policy not in (VLLM, *POLICIES) or not sep or not threads.isdigit() or int(threads) < 1:
-            raise ValueError(f"contender {text!r}: expected vllm@N or one of {', '.join(POLICIES)} @N (N >= 1)")
-        return cls(policy, int(threads))
+        """`vllm@1`, `rotary@2`, `fcfs@1+proc`, ...: a policy (or vllm), a thread count, and for
+        ours optionally the engine's mode."""
+        spec, _, engine = text.strip().partition("+")
+        policy, sep, threads = spec.partition("@")
+        bad_engine = engine and (engine not in ENGINE_MODES or policy == VLLM)
+        if policy not in (VLLM, *POLICIES) or not sep or not threads.isdigit() or int(threads) < 1 or bad_engine:
+            raise ValueError(
+                f"contender {text!r}: expected vllm@N or one of {', '.join(POLICIES)} @N (N >= 1), "
+                f"the latter optionally +{' or +'.join(ENGINE_MODES)}"
+            )
+        return cls(policy, int(threads), engine or None)
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,7 @@ def superinfer_command(
     threads: int,
     device: str = "cpu",
     cpu_blocks: int | None = None,
+    engine_process: bool | None = None,
 ) -> ServerCommand:
     argv = [
         superinfer,
@@ -109,6 +124,8 @@ def superinfer_command(
     ]
     if cpu_blocks is not None and policy != "fcfs":
         argv += ["--num-cpu-blocks", str(cpu_blocks)]
+    if engine_process is not None:
+        argv.append("--engine-process" if engine_process else "--no-engine-process")
     return ServerCommand(tuple(argv), {"OMP_NUM_THREADS": str(threads)})
 
 
@@ -123,4 +140,4 @@ def command(
 ) -> ServerCommand:
     if c.is_vllm:
         return vllm_command(vllm_python, m, port, c.threads)
-    return superinfer_command(superinfer, m, port, c.policy, c.threads, device, cpu_blocks)
+    return superinfer_command(superinfer, m, port, c.policy, c.threads, device, cpu_blocks, c.engine_process)

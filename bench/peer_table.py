@@ -20,6 +20,8 @@ ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("batch1", "ttft_p50_ms", "batch 1: TTFT p50 (ms)", "{:.1f}"),
     ("saturation", "output_tok_s", "saturation: output tok/s", "{:.0f}"),
     ("saturation", "tpot_p50_ms", "saturation: TPOT p50 (ms)", "{:.1f}"),
+    ("saturation", "cpu_cores", "saturation: CPU cores, server and its children", "{:.2f}"),
+    ("saturation", "server_cpu_cores", "saturation: CPU cores, the server's own process", "{:.2f}"),
     ("hol", "short_ttft_attainment", "HOL burst: short TTFT attainment", "{:.0%}"),
     ("hol", "short_ttft_p99_ms", "HOL burst: short TTFT p99 (ms)", "{:.0f}"),
     ("hol", "output_tok_s", "HOL burst: output tok/s", "{:.0f}"),
@@ -33,6 +35,7 @@ ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("poisson", "output_tok_s", "two-class: output tok/s", "{:.0f}"),
     ("poisson", "rotations_per_request", "two-class: rotations per request", "{:.1f}"),
     ("poisson", "preemptions", "two-class: recompute preemptions", "{:.0f}"),
+    ("poisson", "cpu_cores", "two-class: CPU cores, server and its children", "{:.2f}"),
 )
 
 
@@ -108,7 +111,7 @@ def versus_vllm(results: Results, contenders: Sequence[str]) -> dict[str, dict[s
     out: dict[str, dict[str, float]] = {}
     for name in contenders:
         policy, _, threads = name.partition("@")
-        peer = results.get(f"vllm@{threads}")
+        peer = results.get(f"vllm@{threads.partition('+')[0]}")  # fcfs@1+proc against vllm@1
         if policy == "vllm" or peer is None or name not in results:
             continue
         for load, key, how in HEADLINES:

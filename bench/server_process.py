@@ -31,6 +31,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) so far of `pid` itself, and of it with every live descendant
+    (from /proc; Linux only). A process that is gone counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    usage: dict[int, tuple[int, float]] = {}  # pid -> (parent, seconds)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        usage[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, (pp, _) in usage.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier += children
+    own = usage.get(pid, (0, 0.0))[1]
+    return own, sum(usage[p][1] for p in tree if p in usage)
+
+
 def log_tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -101,9 +122,12 @@ class Launch:
 
 
 @contextlib.asynccontextmanager
-async def serving(launches: Sequence[Launch], timeout_s: float) -> AsyncIterator[list[str]]:
-    """Start every server at once, yield their base URLs once all answer, stop them all on exit."""
-    procs: list[subprocess.Popen] = []
+async def serving(
+    launches: Sequence[Launch], timeout_s: float, procs: list[subprocess.Popen] | None = None
+) -> AsyncIterator[list[str]]:
+    """Start every server at once, yield their base URLs once all answer, stop them all on exit.
+    `procs`, if given, receives the server processes (in the order of `launches`)."""
+    procs = procs if procs is not None else []
     try:
         for launch in launches:
             procs.append(start(launch.cmd, launch.log_path))

@@ -41,7 +41,7 @@ from superinfer.bench.peer_loads import CLASSES, HOL_SLO, LOADS, SEQUENTIAL, Loa
 from superinfer.bench.peer_settings import Contender, Matched, command
 from superinfer.bench.peer_table import Results, markdown, rich_table, spreads, versus_vllm
 from superinfer.bench.record import write_result
-from superinfer.bench.server_process import Launch, free_port, serving
+from superinfer.bench.server_process import Launch, cpu_seconds, free_port, serving
 from superinfer.bench.workload import WorkItem, prompt_tokens
 from superinfer.engine.contract import BUILTIN_SLO_CLASSES, METRICS_PATH
 
@@ -121,18 +121,31 @@ async def measure(
     seed: int,
     vocab_size: int,
     structured_share: float = 0.0,
+    pid: int | None = None,
 ) -> dict[str, float]:
+    """The load's figures; with the server's `pid`, also the CPU cores its processes used over the
+    run (`cpu_cores`: the server and its children, such as an engine process; `server_cpu_cores`:
+    the server's own process) and this client's (`client_cpu_cores`)."""
     work = items(load, shape, seed)
     reqs = requests(work, vocab_size, seed, structured_share)
     async with aiohttp.ClientSession() as http:
         rot0, pre0 = await counters(http, url, contender.is_vllm)
+        cpu0, client0 = cpu_seconds(pid) if pid else (0.0, 0.0), time.process_time()
         if load in SEQUENTIAL:
             timings, duration = await run_sequential(url, model, reqs)
         else:
             timings, duration = await run_load(url, model, reqs)
+        cpu1, client1 = cpu_seconds(pid) if pid else (0.0, 0.0), time.process_time()
         rot1, pre1 = await counters(http, url, contender.is_vllm)
     rotations = None if rot0 is None or rot1 is None else rot1 - rot0
-    return figures(load, work, timings, duration, rotations, pre1 - pre0)
+    figs = figures(load, work, timings, duration, rotations, pre1 - pre0)
+    if pid:
+        figs |= {
+            "cpu_cores": (cpu1[1] - cpu0[1]) / duration,
+            "server_cpu_cores": (cpu1[0] - cpu0[0]) / duration,
+            "client_cpu_cores": (client1 - client0) / duration,
+        }
+    return figs
 
 
 async def warm_up(url: str, model: str, vocab_size: int) -> None:
@@ -167,18 +180,19 @@ async def run_phase(
     names = ", ".join(c.name for c in contenders)
     console.print(f"[bold]{phase}[/bold]: {matched.num_blocks} KV blocks; starting {names}")
     t0 = time.monotonic()
-    async with serving(launches, args.ready_timeout_s) as urls:
+    procs: list[subprocess.Popen] = []
+    async with serving(launches, args.ready_timeout_s, procs) as urls:
         console.print(f"  all servers answer after {time.monotonic() - t0:.0f} s")
         for url in urls:
             await warm_up(url, matched.served_name, vocab_size)
-        pairs = list(zip(contenders, urls, strict=True))
+        triples = list(zip(contenders, urls, [p.pid for p in procs], strict=True))
         for run in range(args.runs):
-            k = run % len(pairs)  # rotate the order so no contender always goes first
-            for c, url in pairs[k:] + pairs[:k]:
+            k = run % len(triples)  # rotate the order so no contender always goes first
+            for c, url, pid in triples[k:] + triples[:k]:
                 for load in PHASES[phase]:
                     seed = load_seed(args.seed, run, load)
                     figs = await asyncio.wait_for(
-                        measure(url, matched.served_name, c, load, shape, seed, vocab_size, args.structured_share),
+                        measure(url, matched.served_name, c, load, shape, seed, vocab_size, args.structured_share, pid),
                         args.load_timeout_s,
                     )
                     for key, value in figs.items():

@@ -42,6 +42,11 @@ class EngineConfig(BaseModel):
         description="torch CPU threads of each rank (default: OMP_NUM_THREADS, else all cores but one, at least 1, "
         "shared by the tensor-parallel ranks)",
     )
+    engine_process: bool = Field(
+        False,
+        description="run the engine core (scheduler, model step, sampling; rank 0 with -tp) in a process of its own, "
+        "the server's process keeping HTTP, tokenization, detokenization and stop strings",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

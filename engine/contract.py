@@ -54,6 +54,8 @@ SERVE_FLAGS = (
     "--no-dummy-weights",
     "--seed",
     "--torch-threads",
+    "--engine-process",
+    "--no-engine-process",
     "--tensor-parallel-size",
     "-tp",
     "--block-size",

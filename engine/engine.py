@@ -102,13 +102,20 @@ class _Live:
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, streams: Streams | None = None
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        streams: Streams | None = None,
+        detokenize: bool = True,
     ) -> None:
         """`streams`: where device work runs (default: CUDA streams on a GPU, at once on the host).
         With --tensor-parallel-size N > 1 the other N - 1 ranks start in worker processes of their
-        own (worker/parallel.py); `close` stops them."""
+        own (worker/parallel.py); `close` stops them. `detokenize=False`: outputs carry tokens and
+        no text, and stop strings are not watched (the engine process leaves both to the server,
+        which ends a request on a stop string with `finish`)."""
         self.config = config
         self.clock = clock
+        self.detokenize = detokenize
         self.device = resolve_device(config.device)
         self.workers: Workers | None = None
         size = config.tensor_parallel_size
@@ -127,6 +134,7 @@ class EngineCore:
         loaded = load_shard(config, self.device, tp)
         mc = self.model_config = loaded.config
         self.model_path = loaded.path
+        self.tokenizer_dir = loaded.tokenizer_dir
         self.dtype = next(loaded.model.parameters()).dtype
         self.tokenizer = Tokenizer.from_dir(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
@@ -263,7 +271,7 @@ class EngineCore:
         self.scheduler.add(req)
         detok = (
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens)
-            if self.tokenizer
+            if self.tokenizer and self.detokenize
             else None
         )
         self._live[request_id] = _Live(TextStream(detok, sampling.stop, sampling.include_stop_str_in_output))
@@ -271,6 +279,16 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         req = self.scheduler.abort(request_id)
         if req is not None:
+            self._live.pop(request_id, None)
+            self.metrics.on_finish(req, self.clock())
+            self.metrics.on_state(self.scheduler, self.kv, self.clock())
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> None:
+        """End a live request from outside: a stop string the server found in its text (with
+        `detokenize=False`). Counted as finished for `reason`, like one the engine ended itself."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(request_id, reason)
             self._live.pop(request_id, None)
             self.metrics.on_finish(req, self.clock())
             self.metrics.on_state(self.scheduler, self.kv, self.clock())
@@ -374,28 +392,130 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+Delivery = list[tuple[str, RequestOutput | BaseException]]
+
+
+class EngineLoop:
+    """The step loop around an EngineCore, run by the thread that calls `run`: between steps it
+    applies the queued commands (add, abort, finish, stop, and those `handlers` name), steps while
+    there is work, and hands each step's outputs to `deliver` in one call. AsyncEngine runs it on a
+    thread of the server's process, the engine process (engine/process.py) on its main thread."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        deliver: Callable[[Delivery], None],
+        fail: Callable[[BaseException], None],
+        handlers: dict[str, Callable[[tuple], None]] | None = None,
+    ) -> None:
+        self.core = core
+        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._deliver = deliver
+        self._fail = fail
+        self._handlers = handlers or {}
+        # Requests held back until the request they share a prompt with has computed it, so that
+        # they find its KV in the prefix cache instead of computing it again (n > 1).
+        self._held: dict[str, list[tuple]] = {}
+
+    def run(self) -> None:
+        """Until a `stop` command, or a step fails (then `fail` is called with its error)."""
+        while True:
+            try:
+                command = self.commands.get(block=not self.core.has_work)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command[0] == "stop":
+                    return
+                self._apply(command)
+                try:
+                    command = self.commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if not self.core.has_work:
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # a broken step: fail every live request, stop serving
+                log.exception("engine step failed")
+                self._fail(exc)
+                return
+            if outputs:
+                self._deliver([(o.request_id, o) for o in outputs])
+            if self._held:
+                for out in outputs:
+                    self._release_held(out.request_id)
+
+    def _holds(self, after: str | None) -> bool:
+        """Whether a request sharing `after`'s prompt should wait for that prompt's KV."""
+        if after is None or not self.core.kv.enable_prefix_caching:
+            return False
+        first = self.core.scheduler.requests.get(after)
+        return first is not None and first.num_output_tokens == 0 and not first.is_finished
+
+    def _release_held(self, request_id: str) -> None:
+        for command in self._held.pop(request_id, ()):
+            self._apply(command)
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, rid, prompt, sampling, slo, priority, arrival, slo_class, after = command
+            if self._holds(after):
+                self._held.setdefault(after, []).append(command)
+                return
+            try:
+                self.core.validate(len(prompt), sampling)
+                self.core.add_request(rid, prompt, sampling, slo, priority, arrival, slo_class)
+            except ValueError as exc:
+                self._deliver([(rid, exc)])
+            except Exception as exc:  # a bug, not bad input: fail this request, keep serving
+                log.exception("could not add request %s", rid)
+                self._deliver([(rid, RuntimeError(f"internal error adding the request: {exc}"))])
+            if rid not in self.core.scheduler.requests:  # refused, or finished at once
+                self._release_held(rid)
+        elif kind in ("abort", "finish"):
+            rid = command[1]
+            for held in self._held.values():
+                held[:] = [h for h in held if h[1] != rid]
+            if kind == "abort":
+                self.core.abort(rid)
+            else:
+                self.core.finish(rid)
+            self._release_held(rid)
+        else:
+            self._handlers[kind](command)
+
+
 class AsyncEngine:
     """EngineCore on its own thread; `generate` streams a request's outputs to a coroutine."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.loop = EngineLoop(core, self._deliver, self.fail)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.died = asyncio.Event()  # set (on the event loop) once `error` is
-        # Requests held back until the request they share a prompt with has computed it, so that
-        # they find its KV in the prefix cache instead of computing it again (n > 1).
-        self._held: dict[str, list[tuple]] = {}
 
     @property
     def num_live(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_queued(self) -> int:
+        """Live requests that are neither running nor parked in the CPU tier."""
+        scheduler = self.core.scheduler
+        return self.num_live - scheduler.num_running - scheduler.num_rotary
+
+    async def metrics_text(self) -> bytes:
+        """The engine's /metrics page."""
+        return self.core.metrics.render()
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="superinfer-engine", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run, name="superinfer-engine", daemon=True)
         self._thread.start()
         if self.core.workers is not None:
             self.core.workers.watch(self.fail)
@@ -404,7 +524,7 @@ class AsyncEngine:
         """Stop the engine thread (after its current step; at most `timeout_s` if given: a thread
         blocked on a dead device is left behind), then the core's worker processes."""
         if self._thread is not None:
-            self._commands.put(("stop",))
+            self.loop.commands.put(("stop",))
             try:
                 await asyncio.wait_for(asyncio.to_thread(self._thread.join), timeout_s)
             except asyncio.TimeoutError:
@@ -448,7 +568,8 @@ class AsyncEngine:
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = outputs
         arrival = self.core.clock()
-        self._commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, arrival, slo_class, after))
+        commands = self.loop.commands
+        commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, arrival, slo_class, after))
         finished = False
         try:
             while not finished:
@@ -461,74 +582,13 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                commands.put(("abort", request_id))
 
-    # --- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            try:
-                command = self._commands.get(block=not self.core.has_work)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                if command[0] == "stop":
-                    return
-                self._apply(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if not self.core.has_work:
-                continue
-            try:
-                outputs = self.core.step()
-            except Exception as exc:  # a broken step: fail every live request, stop serving
-                log.exception("engine step failed")
-                self.fail(exc)
-                return
-            self._deliver([(o.request_id, o) for o in outputs])
-            if self._held:
-                for out in outputs:
-                    self._release_held(out.request_id)
-
-    def _holds(self, after: str | None) -> bool:
-        """Whether a request sharing `after`'s prompt should wait for that prompt's KV."""
-        if after is None or not self.core.kv.enable_prefix_caching:
-            return False
-        first = self.core.scheduler.requests.get(after)
-        return first is not None and first.num_output_tokens == 0 and not first.is_finished
-
-    def _release_held(self, request_id: str) -> None:
-        for command in self._held.pop(request_id, ()):
-            self._apply(command)
-
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, rid, prompt, sampling, slo, priority, arrival, slo_class, after = command
-            if self._holds(after):
-                self._held.setdefault(after, []).append(command)
-                return
-            try:
-                self.core.add_request(rid, prompt, sampling, slo, priority, arrival, slo_class)
-            except ValueError as exc:
-                self._deliver([(rid, exc)])
-            except Exception as exc:  # a bug, not bad input: fail this request, keep serving
-                log.exception("could not add request %s", rid)
-                self._deliver([(rid, RuntimeError(f"internal error adding the request: {exc}"))])
-            if rid not in self.core.scheduler.requests:  # refused, or finished at once
-                self._release_held(rid)
-        elif command[0] == "abort":
-            rid = command[1]
-            for held in self._held.values():
-                held[:] = [h for h in held if h[1] != rid]
-            self.core.abort(rid)
-            self._release_held(rid)
-
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: Delivery) -> None:
         if items and self._loop is not None:
             self._loop.call_soon_threadsafe(self._dispatch, items)
 
-    def _dispatch(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _dispatch(self, items: Delivery) -> None:
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:

@@ -25,6 +25,7 @@ from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import AsyncEngine, EngineCore, EngineDeadError
 from superinfer.engine.guided import GrammarError, GuidedSpec
 from superinfer.engine.output import RequestOutput
+from superinfer.engine.process import CoreView, ProcessEngine
 from superinfer.engine.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -118,9 +119,11 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncEngine, config: EngineConfig) -> None:
+    def __init__(self, engine: AsyncEngine | ProcessEngine, config: EngineConfig) -> None:
+        """`engine`: the core on a thread of this process (AsyncEngine) or in a process of its own
+        (ProcessEngine, whose `core` is a CoreView: what the server reads of the core)."""
         self.engine = engine
-        self.core: EngineCore = engine.core
+        self.core: EngineCore | CoreView = engine.core  # type: ignore[assignment]
         self.config = config
         self.model_name = config.model_name
         self.draining = False
@@ -163,7 +166,11 @@ class OpenAIServer:
         return web.json_response({"status": "ready", "model": self.model_name})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.core.metrics.render(), content_type="text/plain", charset="utf-8")
+        try:
+            body = await self.engine.metrics_text()
+        except asyncio.TimeoutError as exc:
+            raise APIError(503, "the engine did not answer the scrape in time", type="server_error") from exc
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
         card = {
@@ -181,8 +188,7 @@ class OpenAIServer:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "5"})
         bound = self.config.max_waiting_requests
-        scheduler = self.core.scheduler
-        if bound is not None and self.engine.num_live - scheduler.num_running - scheduler.num_rotary >= bound:
+        if bound is not None and self.engine.num_queued >= bound:
             raise APIError(
                 503,
                 f"the server is overloaded: {bound} requests are already queued; retry later",
@@ -564,8 +570,12 @@ class RunningServer:
 
 
 async def start_server(config: EngineConfig, core: EngineCore | None = None) -> RunningServer:
-    core = core or await asyncio.to_thread(EngineCore, config)
-    engine = AsyncEngine(core)
+    """With `config.engine_process` (and no `core` given) the engine core runs in a child process."""
+    engine: AsyncEngine | ProcessEngine
+    if core is None and config.engine_process:
+        engine = ProcessEngine(config)
+    else:
+        engine = AsyncEngine(core or await asyncio.to_thread(EngineCore, config))
     await engine.start()
     server = OpenAIServer(engine, config)
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)

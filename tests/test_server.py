@@ -13,6 +13,7 @@ import pytest
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.process import ProcessEngine
 from superinfer.engine.server import RunningServer, start_server
 from superinfer.engine.worker.runner import SubmittedStep
 from tests.conftest import SERVED_MODEL
@@ -21,13 +22,34 @@ MODEL = SERVED_MODEL
 
 
 async def all_blocks_free(server: RunningServer, timeout: float = 10.0) -> bool:
-    """Wait (bounded) until the engine holds no request and every KV block is free again."""
+    """Wait (bounded) until the engine holds no request and every KV block is free again (with the
+    engine in a process of its own: as its /metrics tell)."""
+    if isinstance(server.server.engine, ProcessEngine):
+        return await idle_by_metrics(server, timeout)
     core = server.server.core
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not core.scheduler.requests and core.kv.num_free_blocks == core.kv.num_blocks:
             return True
         await asyncio.sleep(0.01)
+    return False
+
+
+async def idle_by_metrics(server: RunningServer, timeout: float) -> bool:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with aiohttp.ClientSession() as http, http.get(server.url + c.METRICS_PATH) as resp:
+            samples = [s for f in text_string_to_metric_families(await resp.text()) for s in f.samples]
+        blocks = next(s.labels["num_gpu_blocks"] for s in samples if s.name == c.metric("info") + "_info")
+        gpu_free = {"tier": "gpu", "state": "free"}
+        free = [s.value for s in samples if s.name == c.metric("kv_blocks") and gpu_free.items() <= s.labels.items()]
+        names = {c.metric(f"requests_{k}") for k in ("running", "waiting", "rotary")}
+        live = sum(s.value for s in samples if s.name in names)
+        if live == 0 and free == [float(blocks)]:
+            return True
+        await asyncio.sleep(0.02)
     return False
 
 

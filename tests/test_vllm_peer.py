@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,9 @@ def test_vllm_gets_one_block_more_than_ours_for_its_null_block(tmp_path: Path):
     assert theirs.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
     assert flag(ours.argv, "--num-cpu-blocks") == "500"
     assert "--num-cpu-blocks" not in superinfer_command("/x/superinfer", m, 9000, "fcfs", 2, cpu_blocks=500).argv
+    assert not {"--engine-process", "--no-engine-process"} & set(ours.argv)  # the server's default
+    assert superinfer_command("s", m, 1, "fcfs", 1, engine_process=True).argv[-1] == "--engine-process"
+    assert superinfer_command("s", m, 1, "fcfs", 1, engine_process=False).argv[-1] == "--no-engine-process"
 
 
 def test_threads_and_preloads(tmp_path: Path):
@@ -122,7 +127,10 @@ def test_threads_and_preloads(tmp_path: Path):
 def test_contender_names():
     assert Contender.parse("vllm@2") == Contender("vllm", 2) and Contender("vllm", 2).is_vllm
     assert Contender.parse(" rotary@1").name == "rotary@1"
-    for bad in ("rotary", "sglang@1", "fcfs@0", "fcfs@x"):
+    proc = Contender.parse("fcfs@1+proc")
+    assert proc == Contender("fcfs", 1, "proc") and proc.name == "fcfs@1+proc" and proc.engine_process is True
+    assert Contender.parse("rotary@2+thread").engine_process is False and Contender("fcfs", 1).engine_process is None
+    for bad in ("rotary", "sglang@1", "fcfs@0", "fcfs@x", "fcfs@1+fork", "vllm@1+proc"):
         with pytest.raises(ValueError):
             Contender.parse(bad)
 
@@ -203,35 +211,62 @@ def test_rows_markdown_and_versus_vllm():
         "vllm@1": {"saturation": {"output_tok_s": [100.0, 120.0, 110.0]}},
         "fcfs@1": {"saturation": {"output_tok_s": [220.0, 220.0, 220.0]}},
         "rotary@2": {"saturation": {"output_tok_s": [50.0]}},
+        "fcfs@1+proc": {"saturation": {"output_tok_s": [330.0]}},
     }
-    names = ["vllm@1", "fcfs@1", "rotary@2"]
+    names = ["vllm@1", "fcfs@1", "rotary@2", "fcfs@1+proc"]
     table = rows(results, names)
-    assert [label for label, _ in table] == ["saturation: output tok/s", "saturation: TPOT p50 (ms)"]
-    assert table[0][1] == ["110 (100–120)", "220", "50"]
-    assert table[1][1] == ["–", "–", "–"]
+    assert [label for label, _ in table][:2] == ["saturation: output tok/s", "saturation: TPOT p50 (ms)"]
+    assert all(label.startswith("saturation: ") for label, _ in table)
+    assert table[0][1] == ["110 (100–120)", "220", "50", "330"]
+    assert table[1][1] == ["–", "–", "–", "–"]
     md = markdown(results, names).splitlines()
-    assert md[0] == "| | `vllm@1` | `fcfs@1` | `rotary@2` |" and len(md) == 4
-    assert versus_vllm(results, names) == {"fcfs@1": {"saturation_output_tok_s_ratio": 2.0}}  # no vllm@2
+    assert md[0] == "| | `vllm@1` | `fcfs@1` | `rotary@2` | `fcfs@1+proc` |" and len(md) == 2 + len(table)
+    assert versus_vllm(results, names) == {  # no vllm@2
+        "fcfs@1": {"saturation_output_tok_s_ratio": 2.0},
+        "fcfs@1+proc": {"saturation_output_tok_s_ratio": 3.0},
+    }
 
 
 # --- our server as a real process -----------------------------------------------------------------
 
 
-def test_superinfer_serves_a_tiny_load_as_a_subprocess_and_is_stopped(tmp_path: Path):
+@pytest.mark.parametrize("engine", [None, "proc"])
+def test_superinfer_serves_a_tiny_load_as_a_subprocess_and_is_stopped(tmp_path: Path, engine: str | None):
     m = Matched(ensure_tiny_model(), num_blocks=16, max_model_len=256, max_num_seqs=8)
     port = free_port()
     superinfer = str(Path(sys.executable).parent / "superinfer")
-    launch = Launch(superinfer_command(superinfer, m, port, "rotary", 1), port, tmp_path / "ours.log")
+    contender = Contender("rotary", 1, engine)
+    cmd = superinfer_command(superinfer, m, port, "rotary", 1, engine_process=contender.engine_process)
+    launch = Launch(cmd, port, tmp_path / "ours.log")
     shape = LoadShape(batch1_requests=2, batch1_prompt=16, batch1_output=6)
+    procs: list[subprocess.Popen] = []
 
     async def run() -> dict[str, float]:
-        async with serving([launch], timeout_s=60) as (url,):
-            return await measure(url, m.served_name, Contender("rotary", 1), "batch1", shape, 0, 3072)
+        async with serving([launch], timeout_s=60, procs=procs) as (url,):
+            return await measure(url, m.served_name, contender, "batch1", shape, 0, 3072, pid=procs[0].pid)
 
     figs = asyncio.run(run())
     assert figs["preemptions"] == 0 and figs["tpot_p50_ms"] > 0 and figs["output_tok_s"] > 0
+    assert 0 <= figs["server_cpu_cores"] <= figs["cpu_cores"] and figs["cpu_cores"] > 0  # 10 ms ticks
     with pytest.raises(OSError):  # the server is gone once the block exits
         asyncio.run(asyncio.open_connection("127.0.0.1", port))
+
+
+def test_cpu_seconds_count_the_children():
+    busy = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nsys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            own, total = server_process.cpu_seconds(os.getpid())
+            if total - own >= 0.25:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert server_process.cpu_seconds(child.pid)[0] == pytest.approx(total - own, abs=0.05)
+    finally:
+        child.stdin.close()
+        child.wait()
 
 
 def test_a_server_that_exits_fails_fast_with_its_log(tmp_path: Path):
@@ -274,3 +309,22 @@ def test_batch1_latency_per_token_survives_merged_chunks():
     b = figures("batch1", work, [merged], 1.0, None, 0.0)
     assert a["ms_per_token_p50"] == pytest.approx(b["ms_per_token_p50"]) == pytest.approx(2.8)
     assert b["tpot_p50_ms"] == 0.0 and a["tpot_p50_ms"] == pytest.approx(2.0)
+
+
+def test_engine_split_shares_of_the_engine_and_the_event_loop():
+    from superinfer.bench.engine_split import ThreadTimes, split
+
+    before = {(10, 10): ThreadTimes(1.0, 0.0), (10, 11): ThreadTimes(5.0, 1.0), (10, 12): ThreadTimes(0.0, 0.0)}
+    after = {
+        (10, 10): ThreadTimes(1.2, 0.1),  # the event loop
+        (10, 11): ThreadTimes(6.8, 1.1),  # the engine thread: 1.8 s on a CPU, 0.1 s waiting for one
+        (10, 12): ThreadTimes(0.05, 0.0),
+        (10, 13): ThreadTimes(9.0, 0.0),  # started during the run: left out
+    }
+    shares = split(10, before, after, wall=2.0)
+    assert shares["engine_on_cpu"] == pytest.approx(0.9) and shares["engine_waiting_for_cpu"] == pytest.approx(0.05)
+    assert shares["engine_blocked"] == pytest.approx(0.05) and shares["loop_on_cpu"] == pytest.approx(0.1)
+    assert shares["cores"] == pytest.approx((0.2 + 1.8 + 0.05) / 2.0) and shares["engine_in_child"] == 0.0
+    child = {**before, (20, 20): ThreadTimes(0.0, 0.0)}
+    later = {**after, (20, 20): ThreadTimes(1.9, 0.0)}  # an engine process's main thread
+    assert split(10, child, later, wall=2.0)["engine_in_child"] == 1.0
