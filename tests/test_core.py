@@ -224,6 +224,7 @@ def check_invariants(s: Scheduler) -> None:
     for block in range(pool.num_blocks):
         assert pool.ref_cnt[block] == refs.get(block, 0), f"block {block} refcount"
         assert (block in pool.free) == (pool.ref_cnt[block] == 0)
+    assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
     for r in s.running:
         assert r.status is RequestStatus.RUNNING
         assert len(r.block_ids) >= cdiv(r.num_computed_tokens, BS)

@@ -107,6 +107,54 @@ class ReferenceScheduler(Scheduler):
             step.swap_out += copies
             step.transfer_left -= len(copies)
 
+    def admission_cost(self, req: Request) -> tuple[int, int]:
+        if req.status is RequestStatus.ROTARY:
+            return reference_swap_in_need(self.kv, req, self.next_tokens(req))
+        return self.kv.admission_need(req), 0
+
+    def _admit(self, order: list[Request], step, strict: bool) -> None:
+        for req in order:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if req.num_pending_tokens:
+                continue
+            if req.status is RequestStatus.ROTARY:
+                n = self.next_tokens(req)
+                blocks, copies = reference_swap_in_need(self.kv, req, n)
+                if copies > self.config.transfer_budget_blocks:
+                    self.rotary.remove(req)
+                    self._recompute(req, "transfer_budget")
+            if req.status is RequestStatus.ROTARY:
+                if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
+                    if strict:
+                        return
+                    continue
+                moved = self.kv.swap_in(req, n, step.id)
+                step.swap_in += moved.copies
+                step.swap_in_after = max(step.swap_in_after, moved.after_compute)
+                step.swap_in_after_copy = max(step.swap_in_after_copy, moved.after_copy)
+                step.transfer_left -= len(moved.copies)
+                self.rotary.remove(req)
+            else:
+                cached = self.kv.cached_prefix(req)
+                num_cached = len(cached) * self.kv.block_size
+                n = min(req.num_tokens - num_cached, step.budget)
+                if not self.kv.allocate(req, n, cached):
+                    if strict:
+                        return
+                    continue
+                self.waiting.remove(req)
+                req.num_computed_tokens = num_cached
+                if req.t_scheduled is None:
+                    req.t_scheduled = step.now
+                    req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.t_run = step.now
+            self.running.append(req)
+            if step.writes_through:
+                self._unwritten.add(req)
+            self._take(req, n, step)
+
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
@@ -139,6 +187,18 @@ class ReferenceScheduler(Scheduler):
             touched.append(req)
         self.kv.retire(plan.step_id)
         return touched
+
+
+def reference_swap_in_need(kv: KVCacheManager, req: Request, num_new_tokens: int) -> tuple[int, int]:
+    """A lookup per full block: free blocks taken (all but those another request holds) and copies."""
+    hashes = kv.update_hashes(req)
+    taken = copies = 0
+    for i in range(len(req.cpu_block_ids)):
+        block = kv.pool.lookup(hashes[i])
+        copies += block is None
+        taken += block is None or kv.pool.ref_cnt[block] == 0
+    copies += req.cpu_tail is not None
+    return taken + kv.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids), copies
 
 
 def reference_tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
@@ -369,6 +429,8 @@ def run_both(seed: int) -> Scheduler:
             touched = [[r.request_id for r in s.update(plan, sampled)] for s, plan in zip(both, plans, strict=True)]
             assert touched[0] == touched[1]
         assert state_digest(fast) == state_digest(ref)
+        pool = fast.kv.pool  # the hashes swap-in checks count as held by others
+        assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
     # Plans share block tables with their requests: none changed after it was handed out.
     assert all(plan_digest(plan) == digest for plan, digest in handed_out)
     return fast

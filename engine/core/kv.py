@@ -69,6 +69,7 @@ class BlockPool:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.in_use: set[bytes] = set()  # hashes whose cached block is referenced (ref_cnt > 0)
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
         self.copying: dict[int, int] = {}  # block -> the newest unfinished step with a copy from or to it
         self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
@@ -136,6 +137,9 @@ class BlockPool:
         """Take one more reference to a block found in the prefix cache."""
         if self.ref_cnt[block] == 0:
             del self.free[block]
+            h = self.hash_of[block]
+            if h is not None and self.cached.get(h) == block:
+                self.in_use.add(h)
         self.ref_cnt[block] += 1
 
     def copied(self, blocks: Iterable[int], step: int) -> None:
@@ -155,6 +159,9 @@ class BlockPool:
             if self.ref_cnt[block] < 0:
                 raise RuntimeError(f"block {block} released more often than it was taken")
             if self.ref_cnt[block] == 0:
+                h = self.hash_of[block]
+                if h is not None and self.cached.get(h) == block:
+                    self.in_use.discard(h)
                 copy_fence = self.copying.get(block)
                 if copy_fence is None or (self.reuse_under_copy and copy_fence < self.planning):
                     self.free[block] = None
@@ -177,7 +184,8 @@ class BlockPool:
         """Make a full block findable by its prefix hash (the first block with a hash keeps it)."""
         if self.hash_of[block] is None:
             self.hash_of[block] = h
-            self.cached.setdefault(h, block)
+            if self.cached.setdefault(h, block) == block and self.ref_cnt[block] > 0:
+                self.in_use.add(h)
 
     def lookup(self, h: bytes) -> int | None:
         block = self.cached.get(h)
@@ -372,23 +380,25 @@ class KVCacheManager:
         req.block_ids = []
         return copies
 
-    def new_blocks_to_swap_in(self, req: Request, num_new_tokens: int) -> int:
-        """The free blocks a rotary request takes beyond its full blocks: a lower bound of
-        `swap_in_need`'s first figure, without a lookup."""
-        return self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
-
     def swap_in_need(self, req: Request, num_new_tokens: int) -> tuple[int, int]:
         """(free GPU blocks taken, blocks copied) to bring a rotary request back and compute
-        `num_new_tokens`. Its own blocks still cached on the GPU are reused without a copy (they
-        take a free block only if they sit in the free list)."""
-        hashes = self.update_hashes(req)
-        taken = copies = 0
-        for i in range(len(req.cpu_block_ids)):
-            block = self.pool.lookup(hashes[i])
-            copies += block is None
-            taken += block is None or self.pool.ref_cnt[block] == 0
-        copies += req.cpu_tail is not None
-        return taken + self.new_blocks_to_swap_in(req, num_new_tokens), copies
+        `num_new_tokens`."""
+        return self.swap_in_blocks(req, num_new_tokens), self.swap_in_copies(req)
+
+    def swap_in_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """Free GPU blocks a rotary request takes to come back and compute `num_new_tokens`: all
+        its blocks but the full ones another request holds on the GPU (its own blocks still
+        cached in the free list are reused, yet leave the free list). One set intersection, no
+        lookup per block: checked for every rotary request every step under contention."""
+        full = self.update_hashes(req)[: len(req.cpu_block_ids)]
+        return self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(self.pool.in_use.intersection(full))
+
+    def swap_in_copies(self, req: Request) -> int:
+        """Blocks copied to bring a rotary request back: its full blocks no longer cached on the
+        GPU, and its partial tail."""
+        lookup = self.pool.lookup
+        misses = sum(lookup(h) is None for h in self.update_hashes(req)[: len(req.cpu_block_ids)])
+        return misses + (req.cpu_tail is not None)
 
     def swap_in(self, req: Request, num_new_tokens: int, step: int) -> SwapIn:
         """Bring a rotary request's KV back: the copies, and what they must wait for.

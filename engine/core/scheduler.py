@@ -298,17 +298,17 @@ class Scheduler:
                 continue  # left the GPU while its last step was in flight: back once that completes
             if req.status is RequestStatus.ROTARY:
                 n = self.next_tokens(req)
-                # Without looking its blocks up: when even its new blocks cannot fit (and it could
-                # come back within the budget), it is skipped as the exact check would skip it.
-                # Under overload most rotary requests end here, each step.
+                blocks = self.kv.swap_in_blocks(req, n)
+                # Under overload most rotary requests end here, each step: when they cannot fit
+                # (and could come back within the budget), their copies need not be counted.
                 may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
                 if may_copy <= self.config.transfer_budget_blocks and (
-                    n > step.budget or self.kv.new_blocks_to_swap_in(req, n) > self.kv.num_free_blocks
+                    n > step.budget or blocks > self.kv.num_free_blocks
                 ):
                     if strict:
                         return
                     continue
-                blocks, copies = self.kv.swap_in_need(req, n)
+                copies = self.kv.swap_in_copies(req)
                 if copies > self.config.transfer_budget_blocks:
                     self.rotary.remove(req)  # it could never come back within a step's budget
                     self._recompute(req, "transfer_budget")
