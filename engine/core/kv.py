@@ -27,6 +27,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import filterfalse, islice
 from typing import NamedTuple
 
 from superinfer.engine.core.request import Request
@@ -118,11 +119,10 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
         clean: list[int] = []
         if any(avoid):  # from the head; past n + (fenced blocks) blocks, no unfenced one is left
-            for i, block in enumerate(self.free):
-                if len(clean) == n or i == n + sum(map(len, avoid)):
-                    break
-                if not any(block in fences for fences in avoid):
-                    clean.append(block)
+            head = islice(self.free, n + sum(map(len, avoid)))
+            for fences in avoid:
+                head = filterfalse(fences.__contains__, head)
+            clean = list(islice(head, n))  # the scan runs in C: the head may hold many fenced blocks
             for block in clean:
                 del self.free[block]
         rest = [self.free.popitem(last=False)[0] for _ in range(n - len(clean))]
