@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -429,11 +430,20 @@ def run_both(seed: int) -> Scheduler:
             touched = [[r.request_id for r in s.update(plan, sampled)] for s, plan in zip(both, plans, strict=True)]
             assert touched[0] == touched[1]
         assert state_digest(fast) == state_digest(ref)
-        pool = fast.kv.pool  # the hashes swap-in checks count as held by others
-        assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
+        check_swap_in_index(fast)
     # Plans share block tables with their requests: none changed after it was handed out.
     assert all(plan_digest(plan) == digest for plan, digest in handed_out)
     return fast
+
+
+def check_swap_in_index(s: Scheduler) -> None:
+    """What the swap-in check reads instead of looking blocks up: the hashes in use, and those of
+    the swapped-out requests' blocks."""
+    pool = s.kv.pool
+    assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
+    assert s.kv.swapped_out == set(s.rotary)
+    watched = Counter(h for r in s.rotary for h in r.block_hashes[: len(r.cpu_block_ids)])
+    assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
 
 
 SEEDS = range(40)

@@ -71,6 +71,8 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.in_use: set[bytes] = set()  # hashes whose cached block is referenced (ref_cnt > 0)
+        self.watched: dict[bytes, int] = {}  # hash -> how many swapped-out requests have a block of it
+        self.watched_in_use = 0  # watched hashes in `in_use`
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
         self.copying: dict[int, int] = {}  # block -> the newest unfinished step with a copy from or to it
         self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
@@ -139,7 +141,7 @@ class BlockPool:
             del self.free[block]
             h = self.hash_of[block]
             if h is not None and self.cached.get(h) == block:
-                self.in_use.add(h)
+                self._use(h)
         self.ref_cnt[block] += 1
 
     def copied(self, blocks: Iterable[int], step: int) -> None:
@@ -161,7 +163,7 @@ class BlockPool:
             if self.ref_cnt[block] == 0:
                 h = self.hash_of[block]
                 if h is not None and self.cached.get(h) == block:
-                    self.in_use.discard(h)
+                    self._unuse(h)
                 copy_fence = self.copying.get(block)
                 if copy_fence is None or (self.reuse_under_copy and copy_fence < self.planning):
                     self.free[block] = None
@@ -185,7 +187,33 @@ class BlockPool:
         if self.hash_of[block] is None:
             self.hash_of[block] = h
             if self.cached.setdefault(h, block) == block and self.ref_cnt[block] > 0:
-                self.in_use.add(h)
+                self._use(h)
+
+    def _use(self, h: bytes) -> None:
+        self.in_use.add(h)
+        if h in self.watched:
+            self.watched_in_use += 1
+
+    def _unuse(self, h: bytes) -> None:
+        self.in_use.discard(h)
+        if h in self.watched:
+            self.watched_in_use -= 1
+
+    def watch(self, hashes: Iterable[bytes]) -> None:
+        """Count in `watched_in_use` whether these hashes are in use (a request swapped out)."""
+        for h in hashes:
+            n = self.watched.get(h, 0)
+            self.watched[h] = n + 1
+            if not n and h in self.in_use:
+                self.watched_in_use += 1
+
+    def unwatch(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            n = self.watched.pop(h) - 1
+            if n:
+                self.watched[h] = n
+            elif h in self.in_use:
+                self.watched_in_use -= 1
 
     def lookup(self, h: bytes) -> int | None:
         block = self.cached.get(h)
@@ -209,6 +237,7 @@ class KVCacheManager:
         self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.swapped_out: set[Request] = set()  # their full blocks' hashes are watched in the pool
 
     @property
     def num_blocks(self) -> int:
@@ -305,6 +334,7 @@ class KVCacheManager:
 
         Blocks an unfinished copy touches stay quarantined until its step completes.
         """
+        self._forget_swap_out(req)
         self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
         if self.cpu:
@@ -378,7 +408,18 @@ class KVCacheManager:
             self._copying([copies[-1][0]], [tail], step)
         self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
+        self.swapped_out.add(req)
+        self.pool.watch(self._full_hashes(req))
         return copies
+
+    def _full_hashes(self, req: Request) -> list[bytes]:
+        """The hashes of the full blocks the request has copies of in the CPU tier."""
+        return self.update_hashes(req)[: len(req.cpu_block_ids)]
+
+    def _forget_swap_out(self, req: Request) -> None:
+        if req in self.swapped_out:
+            self.swapped_out.remove(req)
+            self.pool.unwatch(self._full_hashes(req))
 
     def swap_in_need(self, req: Request, num_new_tokens: int) -> tuple[int, int]:
         """(free GPU blocks taken, blocks copied) to bring a rotary request back and compute
@@ -388,16 +429,19 @@ class KVCacheManager:
     def swap_in_blocks(self, req: Request, num_new_tokens: int) -> int:
         """Free GPU blocks a rotary request takes to come back and compute `num_new_tokens`: all
         its blocks but the full ones another request holds on the GPU (its own blocks still
-        cached in the free list are reused, yet leave the free list). One set intersection, no
-        lookup per block: checked for every rotary request every step under contention."""
-        full = self.update_hashes(req)[: len(req.cpu_block_ids)]
-        return self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(self.pool.in_use.intersection(full))
+        cached in the free list are reused, yet leave the free list). Checked for every rotary
+        request every step under contention: without a lookup per block, and without any
+        while no swapped-out request's content is in use."""
+        blocks = self.blocks_for(req.num_computed_tokens + num_new_tokens)
+        if req in self.swapped_out and not self.pool.watched_in_use:
+            return blocks
+        return blocks - len(self.pool.in_use.intersection(self._full_hashes(req)))
 
     def swap_in_copies(self, req: Request) -> int:
         """Blocks copied to bring a rotary request back: its full blocks no longer cached on the
         GPU, and its partial tail."""
         lookup = self.pool.lookup
-        misses = sum(lookup(h) is None for h in self.update_hashes(req)[: len(req.cpu_block_ids)])
+        misses = sum(lookup(h) is None for h in self._full_hashes(req))
         return misses + (req.cpu_tail is not None)
 
     def swap_in(self, req: Request, num_new_tokens: int, step: int) -> SwapIn:
@@ -406,6 +450,7 @@ class KVCacheManager:
         The caller has checked `swap_in_need` against the free pool. Its own full blocks still
         cached on the GPU are reused without a copy.
         """
+        self._forget_swap_out(req)
         hashes = req.block_hashes
         # Take the blocks still cached on the GPU first: allocating a miss before them could
         # evict one of them (they sit in the free list) and turn a hit into another copy.
