@@ -20,6 +20,7 @@ that ends by EOS or a stop string wastes one token, dropped when its step comple
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -120,7 +121,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.rotary: list[Request] = []
+        self.rotary: list[Request] = []  # in arrival order (rotated out earlier first on ties)
+        # Free GPU blocks each rotary request takes to come back while no swapped-out content is
+        # in use (see kv.swap_in_blocks); 0 for one whose copies may exceed the transfer budget.
+        self._swap_in_blocks: dict[Request, int] = {}
         self.counters = SchedulerCounters()
         self._released: list[str] = []
         self._step_id = 0
@@ -215,6 +219,8 @@ class Scheduler:
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
+            if decision.patient:
+                self._admit(self.policy.rank(self._may_fit(decision.patient), step.now), step, strict=False)
         if step.writes_through:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran
@@ -288,6 +294,14 @@ class Scheduler:
         step.budget = budget
         return i
 
+    def _may_fit(self, requests: list[Request]) -> list[Request]:
+        """The requests less the rotary ones that the free blocks cannot hold (they only shrink
+        while admitting): under overload, most rotary requests each step."""
+        if self.kv.pool.watched_in_use:
+            return requests  # some swapped-out content is in use: _admit checks each
+        free, need = self.kv.num_free_blocks, self._swap_in_blocks
+        return [r for r in requests if need.get(r, 0) <= free]
+
     def _admit(self, order: list[Request], step: _Step, strict: bool) -> None:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
         is skipped for the ones after it."""
@@ -310,7 +324,7 @@ class Scheduler:
                     continue
                 copies = self.kv.swap_in_copies(req)
                 if copies > self.config.transfer_budget_blocks:
-                    self.rotary.remove(req)  # it could never come back within a step's budget
+                    self._leave_rotary(req)  # it could never come back within a step's budget
                     self._recompute(req, "transfer_budget")
             if req.status is RequestStatus.ROTARY:
                 if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
@@ -322,7 +336,7 @@ class Scheduler:
                 step.swap_in_after = max(step.swap_in_after, moved.after_compute)
                 step.swap_in_after_copy = max(step.swap_in_after_copy, moved.after_copy)
                 step.transfer_left -= len(moved.copies)
-                self.rotary.remove(req)
+                self._leave_rotary(req)
             else:
                 cached = self.kv.cached_prefix(req)
                 num_cached = len(cached) * self.kv.block_size
@@ -474,8 +488,15 @@ class Scheduler:
         req.num_rotations += 1
         self.counters.rotations += 1
         self.counters.preempted("swap", reason)
-        self.rotary.append(req)
+        bisect.insort(self.rotary, req, key=attrgetter("arrival_time"))
+        may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
+        fits = may_copy <= self.config.transfer_budget_blocks
+        self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
         return True
+
+    def _leave_rotary(self, req: Request) -> None:
+        self.rotary.remove(req)
+        del self._swap_in_blocks[req]
 
     def _evict(self, req: Request, step: _Step) -> None:
         """A running request must give up its blocks (another ran out): rotate it to the CPU tier
@@ -505,7 +526,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.ROTARY:
-            self.rotary.remove(req)
+            self._leave_rotary(req)
         self.kv.free(req)
         self._unwritten.discard(req)
         req.status = RequestStatus.FINISHED
