@@ -198,6 +198,15 @@ def _running_rank(now: float, r: Request) -> tuple[int, bool, float]:
     return -r.priority, r.max_gap_s * 1000.0 > r.slo.tbt_ms, now - (r.t_run if r.t_run is not None else now)
 
 
+def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:
+    """A non-running request's ranking key, (-priority, r.tbt_missed, -VLT), inlined: they are many."""
+    if r.t_last_token is None:
+        vlt = max(0.0, now - r.arrival_time - p.beta_f * r.slo.ttft_ms / 1000.0)
+    else:
+        vlt = p.alpha * max(0.0, now - r.t_last_token - p.beta_b * r.slo.tbt_ms / 1000.0)
+    return -r.priority, r.max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt
+
+
 class RotaryPolicy:
     name = "rotary"
     uses_cpu_tier = True
@@ -238,8 +247,9 @@ class RotaryPolicy:
         # displaces a running one (a lost request bounced in and out costs two copies per token).
         # Under overload most rotary requests are: the scheduler ranks only those that fit.
         lagging, patient = [], []
-        for r in others:
-            (patient if r.tbt_missed or virtual_lag_time(r, now, p) <= 0 else lagging).append(r)
+        for r in others:  # r.tbt_missed inlined: they are many
+            lost = r.max_gap_s * 1000.0 > r.slo.tbt_ms
+            (patient if lost or virtual_lag_time(r, now, p) <= 0 else lagging).append(r)
         left = free + p.transfer_budget_blocks
         xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
         admit = []
@@ -283,7 +293,7 @@ class RotaryPolicy:
         """Priority first (SLO classes), then the requests whose TBT can still be met, then lag;
         stable: arrival order on ties. Admission takes the non-running requests best first, and
         rotation the running ones worst first: each group is ranked on its own."""
-        return sorted(requests, key=lambda r: (-r.priority, r.tbt_missed, -virtual_lag_time(r, now, self.params)))
+        return sorted(requests, key=partial(_rank, now, self.params))
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """Out of blocks mid-step: the candidate with the smallest VLT (the longest running)."""

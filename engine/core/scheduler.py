@@ -123,7 +123,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.rotary: list[Request] = []  # in arrival order (rotated out earlier first on ties)
         # Free GPU blocks each rotary request takes to come back while no swapped-out content is
-        # in use (see kv.swap_in_blocks); 0 for one whose copies may exceed the transfer budget.
+        # in use (kv.swap_in_blocks); 0 for one whose copies may exceed the transfer budget (that
+        # one goes to the exact check). Under overload most rotary requests cannot fit, each step:
+        # this skips them without a look at their blocks.
         self._swap_in_blocks: dict[Request, int] = {}
         self.counters = SchedulerCounters()
         self._released: list[str] = []
@@ -295,8 +297,9 @@ class Scheduler:
         return i
 
     def _may_fit(self, requests: list[Request]) -> list[Request]:
-        """The requests less the rotary ones that the free blocks cannot hold (they only shrink
-        while admitting): under overload, most rotary requests each step."""
+        """The requests less the rotary ones that the free blocks cannot hold. Admitting others
+        only shrinks the free blocks by at least what it shrinks their need (it takes a free
+        block for each of their blocks it brings into use): these would never fit this step."""
         if self.kv.pool.watched_in_use:
             return requests  # some swapped-out content is in use: _admit checks each
         free, need = self.kv.num_free_blocks, self._swap_in_blocks
@@ -305,16 +308,21 @@ class Scheduler:
     def _admit(self, order: list[Request], step: _Step, strict: bool) -> None:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
         is skipped for the ones after it."""
+        need = self._swap_in_blocks
         for req in order:
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if req.num_pending_tokens:
                 continue  # left the GPU while its last step was in flight: back once that completes
             if req.status is RequestStatus.ROTARY:
+                if need[req] > self.kv.num_free_blocks and not self.kv.pool.watched_in_use:
+                    if strict:
+                        return
+                    continue
                 n = self.next_tokens(req)
                 blocks = self.kv.swap_in_blocks(req, n)
-                # Under overload most rotary requests end here, each step: when they cannot fit
-                # (and could come back within the budget), their copies need not be counted.
+                # When it cannot fit (and could come back within the budget), its copies need not
+                # be counted.
                 may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
                 if may_copy <= self.config.transfer_budget_blocks and (
                     n > step.budget or blocks > self.kv.num_free_blocks
