@@ -257,6 +257,7 @@ def test_prioritize_selects_only_what_the_transfer_budget_can_bring_in():
         )
         s.requests[req.request_id] = req
         s.rotary.append(req)
+        s.rotary_on_time.append(req)
     clock.now = 1.0
     assert [s.kv.swap_in_need(r, 1) for r in s.rotary] == [(4, 4)] * 6
     decision = s.policy.decide(s, clock.now)

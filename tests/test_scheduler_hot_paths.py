@@ -123,7 +123,7 @@ class ReferenceScheduler(Scheduler):
                 n = self.next_tokens(req)
                 blocks, copies = reference_swap_in_need(self.kv, req, n)
                 if copies > self.config.transfer_budget_blocks:
-                    self.rotary.remove(req)
+                    self._leave_rotary(req)
                     self._recompute(req, "transfer_budget")
             if req.status is RequestStatus.ROTARY:
                 if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
@@ -135,7 +135,7 @@ class ReferenceScheduler(Scheduler):
                 step.swap_in_after = max(step.swap_in_after, moved.after_compute)
                 step.swap_in_after_copy = max(step.swap_in_after_copy, moved.after_copy)
                 step.transfer_left -= len(moved.copies)
-                self.rotary.remove(req)
+                self._leave_rotary(req)
             else:
                 cached = self.kv.cached_prefix(req)
                 num_cached = len(cached) * self.kv.block_size
@@ -437,13 +437,15 @@ def run_both(seed: int) -> Scheduler:
 
 
 def check_swap_in_index(s: Scheduler) -> None:
-    """What the swap-in check reads instead of looking blocks up: the hashes in use, and those of
-    the swapped-out requests' blocks."""
+    """What admission reads instead of looking at every rotary request: the hashes in use, those of
+    the swapped-out requests' blocks, and the rotary requests apart by whether their TBT is lost."""
     pool = s.kv.pool
     assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
     assert s.kv.swapped_out == set(s.rotary)
     watched = Counter(h for r in s.rotary for h in r.block_hashes[: len(r.cpu_block_ids)])
     assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
+    assert s.rotary_on_time == [r for r in s.rotary if not r.tbt_missed]
+    assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
 
 
 SEEDS = range(40)

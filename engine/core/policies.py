@@ -160,7 +160,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     if not model.ready:
         return None
     restarted = [r for r in sched.waiting if r.t_first_token is not None]
-    d, tokens, min_tbt_ms, oldest = _live_stats((sched.running, sched.rotary, restarted))
+    d, tokens, min_tbt_ms, oldest = _live_stats((sched.running, sched.rotary_on_time, restarted))
     if not d:
         return None
     kv = sched.kv
@@ -245,11 +245,12 @@ class RotaryPolicy:
 
         # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
         # displaces a running one (a lost request bounced in and out costs two copies per token).
-        # Under overload most rotary requests are: the scheduler ranks only those that fit.
+        # Under overload most rotary requests are: the scheduler ranks only those that fit. (In
+        # `others` order but for the lost rotary ones last: they never tie with one on time.)
         lagging, patient = [], []
-        for r in others:  # r.tbt_missed inlined: they are many
-            lost = r.max_gap_s * 1000.0 > r.slo.tbt_ms
-            (patient if lost or virtual_lag_time(r, now, p) <= 0 else lagging).append(r)
+        for r in [*waiting, *sched.rotary_on_time]:
+            (patient if r.tbt_missed or virtual_lag_time(r, now, p) <= 0 else lagging).append(r)
+        patient += sched.rotary_lost
         left = free + p.transfer_budget_blocks
         xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
         admit = []

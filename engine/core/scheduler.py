@@ -122,6 +122,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.rotary: list[Request] = []  # in arrival order (rotated out earlier first on ties)
+        # The same apart, in the same order, by whether their TBT SLO is lost (Request.tbt_missed):
+        # under overload most are, and the rotary policy only looks at the others one by one.
+        self.rotary_on_time: list[Request] = []
+        self.rotary_lost: list[Request] = []
         # Free GPU blocks each rotary request takes to come back while no swapped-out content is
         # in use (kv.swap_in_blocks); 0 for one whose copies may exceed the transfer budget (that
         # one goes to the exact check). Under overload most rotary requests cannot fit, each step:
@@ -381,7 +385,7 @@ class Scheduler:
         # Hot at thousands of requests: Request.append_token and stop_reason are inlined, and
         # commit_full_blocks is called only when the step filled a block.
         max_len, bs, caching = self.config.max_model_len, self.kv.block_size, self.kv.enable_prefix_caching
-        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        running, finished, rotary = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ROTARY
         for req, seq in zip(submitted.requests, plan.seqs, strict=True):
             sample = seq.sample
             if sample:
@@ -403,7 +407,10 @@ class Scheduler:
                 gap = now - req.t_last_token
                 req.token_gaps.append(gap)
                 if gap > req.max_gap_s:
+                    lost_now = status is rotary and gap * 1000.0 > req.slo.tbt_ms and not req.tbt_missed
                     req.max_gap_s = gap
+                    if lost_now:
+                        self._split_rotary()
             req.t_last_token = now
             sp = req.sampling
             if (
@@ -496,7 +503,9 @@ class Scheduler:
         req.num_rotations += 1
         self.counters.rotations += 1
         self.counters.preempted("swap", reason)
-        bisect.insort(self.rotary, req, key=attrgetter("arrival_time"))
+        by_arrival = attrgetter("arrival_time")
+        bisect.insort(self.rotary, req, key=by_arrival)
+        bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=by_arrival)
         may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
         fits = may_copy <= self.config.transfer_budget_blocks
         self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
@@ -504,7 +513,13 @@ class Scheduler:
 
     def _leave_rotary(self, req: Request) -> None:
         self.rotary.remove(req)
+        (self.rotary_lost if req in self.rotary_lost else self.rotary_on_time).remove(req)
         del self._swap_in_blocks[req]
+
+    def _split_rotary(self) -> None:
+        """A rotary request lost its TBT SLO (its pending token came late): rare, so split again."""
+        self.rotary_on_time = [r for r in self.rotary if not r.tbt_missed]
+        self.rotary_lost = [r for r in self.rotary if r.tbt_missed]
 
     def _evict(self, req: Request, step: _Step) -> None:
         """A running request must give up its blocks (another ran out): rotate it to the CPU tier
