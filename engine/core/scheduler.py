@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -226,7 +226,7 @@ class Scheduler:
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
             if decision.patient:
-                self._admit(self.policy.rank(self._may_fit(decision.patient), step.now), step, strict=False)
+                self._admit_patient(decision.patient, step)
         if step.writes_through:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran
@@ -300,29 +300,31 @@ class Scheduler:
         step.budget = budget
         return i
 
-    def _may_fit(self, requests: list[Request]) -> list[Request]:
-        """The requests less the rotary ones that the free blocks cannot hold. Admitting others
-        only shrinks the free blocks by at least what it shrinks their need (it takes a free
-        block for each of their blocks it brings into use): these would never fit this step."""
-        if self.kv.pool.watched_in_use:
-            return requests  # some swapped-out content is in use: _admit checks each
-        free, need = self.kv.num_free_blocks, self._swap_in_blocks
-        return [r for r in requests if need.get(r, 0) <= free]
+    def _admit_patient(self, requests: list[Request], step: _Step) -> None:
+        """Admit the patient requests into what is left, best first, without looking at the
+        rotary ones the free blocks cannot hold: under overload most of them, each step. Such a
+        one never fits this step: admitting others shrinks the free blocks by at least what it
+        shrinks its need (a free block is taken for each of its blocks brought into use). So
+        they are left out before ranking, and again after each admission."""
+        pool, need = self.kv.pool, self._swap_in_blocks
+        if not pool.watched_in_use:  # (`need` is exact only then)
+            free = pool.num_free
+            requests = [r for r in requests if need.get(r, 0) <= free]
 
-    def _admit(self, order: list[Request], step: _Step, strict: bool) -> None:
+        def may_fit(req: Request) -> bool:
+            return pool.watched_in_use > 0 or need.get(req, 0) <= pool.num_free
+
+        self._admit(filter(may_fit, self.policy.rank(requests, step.now)), step, strict=False)
+
+    def _admit(self, order: Iterable[Request], step: _Step, strict: bool) -> None:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
         is skipped for the ones after it."""
-        need = self._swap_in_blocks
         for req in order:
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if req.num_pending_tokens:
                 continue  # left the GPU while its last step was in flight: back once that completes
             if req.status is RequestStatus.ROTARY:
-                if need[req] > self.kv.num_free_blocks and not self.kv.pool.watched_in_use:
-                    if strict:
-                        return
-                    continue
                 n = self.next_tokens(req)
                 blocks = self.kv.swap_in_blocks(req, n)
                 # When it cannot fit (and could come back within the budget), its copies need not
