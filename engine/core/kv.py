@@ -27,7 +27,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import filterfalse, islice
+from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
 
 from superinfer.engine.core.request import Request
@@ -38,7 +38,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def _newest(blocks: Iterable[int], fences: dict[int, int]) -> int:
-    return max((fences.get(b, 0) for b in blocks), default=0)
+    return max(map(fences.get, blocks, repeat(0)), default=0)
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:

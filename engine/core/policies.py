@@ -228,16 +228,16 @@ class RotaryPolicy:
         if not others:
             return Decision(token_budget=budget)  # nothing to admit: no contention
         free = kv.num_free_blocks - _growth_blocks(sched)
-        costs: dict[str, tuple[int, int]] = {}
+        taken: dict[str, int] = {}
 
-        def cost(r: Request) -> tuple[int, int]:
-            if r.request_id not in costs:
-                costs[r.request_id] = sched.admission_cost(r)
-            return costs[r.request_id]
+        def blocks(r: Request) -> int:
+            if r.request_id not in taken:
+                taken[r.request_id] = sched.admission_blocks(r)
+            return taken[r.request_id]
 
         total = 0
         for r in others:  # contention check; stops at the first sign of contention
-            total += cost(r)[0]
+            total += blocks(r)
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
@@ -257,7 +257,7 @@ class RotaryPolicy:
         for r in self.rank(lagging, now):
             if left <= 0 or xfer_left <= 0:
                 break  # Prioritize is done: nothing more fits under free + B_xfer
-            n, copies = cost(r)
+            n, copies = blocks(r), sched.admission_copies(r)
             # A request that could never come back within one step's budget still goes to the
             # scheduler, which prefills it again instead.
             if n <= left and (copies <= xfer_left or copies > p.transfer_budget_blocks):

@@ -33,6 +33,19 @@ from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 
+_arrival = attrgetter("arrival_time")
+
+
+def _remove_sorted(requests: list[Request], req: Request) -> bool:
+    """Remove `req` from a list in arrival order, found by bisection; False if it is not there."""
+    i = bisect.bisect_left(requests, req.arrival_time, key=_arrival)
+    while i < len(requests) and requests[i].arrival_time == req.arrival_time:
+        if requests[i] is req:
+            del requests[i]
+            return True
+        i += 1
+    return False
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -200,12 +213,15 @@ class Scheduler:
         """Tokens the request would compute next step (a decode token, or its whole remaining prefill)."""
         return req.num_scheduled_tokens - req.num_computed_tokens
 
-    def admission_cost(self, req: Request) -> tuple[int, int]:
-        """(free GPU blocks taken, blocks copied in) for a non-running request to be admitted and
-        finish its next step."""
+    def admission_blocks(self, req: Request) -> int:
+        """Free GPU blocks a non-running request takes to be admitted and finish its next step."""
         if req.status is RequestStatus.ROTARY:
-            return self.kv.swap_in_need(req, self.next_tokens(req))
-        return self.kv.admission_need(req), 0
+            return self.kv.swap_in_blocks(req, self.next_tokens(req))
+        return self.kv.admission_need(req)
+
+    def admission_copies(self, req: Request) -> int:
+        """Blocks copied in to admit a non-running request (a rotary one)."""
+        return self.kv.swap_in_copies(req) if req.status is RequestStatus.ROTARY else 0
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -505,17 +521,16 @@ class Scheduler:
         req.num_rotations += 1
         self.counters.rotations += 1
         self.counters.preempted("swap", reason)
-        by_arrival = attrgetter("arrival_time")
-        bisect.insort(self.rotary, req, key=by_arrival)
-        bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=by_arrival)
+        bisect.insort(self.rotary, req, key=_arrival)
+        bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=_arrival)
         may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
         fits = may_copy <= self.config.transfer_budget_blocks
         self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
         return True
 
     def _leave_rotary(self, req: Request) -> None:
-        self.rotary.remove(req)
-        (self.rotary_lost if req in self.rotary_lost else self.rotary_on_time).remove(req)
+        _remove_sorted(self.rotary, req)
+        _remove_sorted(self.rotary_lost, req) or _remove_sorted(self.rotary_on_time, req)
         del self._swap_in_blocks[req]
 
     def _split_rotary(self) -> None:
