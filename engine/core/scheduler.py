@@ -283,7 +283,7 @@ class Scheduler:
         """Serve running[i:] while they are plain decodes (one token, and a block for it), skipping
         those whose pending token ends them; returns where it stopped (a prefill chunk, or no free
         block: the general path evicts). The bulk of a step with thousands of running requests:
-        _take(req, 1, step) inlined, locals hoisted."""
+        _take(req, 1, step) and Request.ends_after_pending inlined, locals hoisted."""
         running, kv, max_len = self.running, self.kv, self.config.max_model_len
         bs = kv.block_size
         seqs, requests, budget = step.seqs, step.requests, step.budget
@@ -291,10 +291,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             start, pending = req.num_computed_tokens, req.num_pending_tokens
-            if pending and req.ends_after_pending(max_len):
-                i += 1
+            total = len(req.token_ids) + pending
+            if pending and (total - len(req.prompt_token_ids) >= req.sampling.max_tokens or total >= max_len):
+                i += 1  # req.ends_after_pending(max_len)
                 continue
-            if len(req.token_ids) + pending - start != 1:
+            if total - start != 1:
                 break
             if start >= len(req.block_ids) * bs and not kv.allocate(req, 1):
                 break  # allocate changed nothing
