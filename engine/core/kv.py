@@ -219,6 +219,11 @@ class BlockPool:
         block = self.cached.get(h)
         return None if block is None or block in self.held else block
 
+    def lookup_all(self, hashes: Iterable[bytes]) -> list[int | None]:
+        """`lookup` of each hash (a rotary request's blocks, on the swap-in path)."""
+        held = self.held
+        return [None if b is None or b in held else b for b in map(self.cached.get, hashes)]
+
     def _drop_hash(self, block: int) -> None:
         h = self.hash_of[block]
         if h is not None:
@@ -440,8 +445,7 @@ class KVCacheManager:
     def swap_in_copies(self, req: Request) -> int:
         """Blocks copied to bring a rotary request back: its full blocks no longer cached on the
         GPU, and its partial tail."""
-        lookup = self.pool.lookup
-        misses = sum(lookup(h) is None for h in self._full_hashes(req))
+        misses = self.pool.lookup_all(self._full_hashes(req)).count(None)
         return misses + (req.cpu_tail is not None)
 
     def swap_in(self, req: Request, num_new_tokens: int, step: int) -> SwapIn:
@@ -454,7 +458,7 @@ class KVCacheManager:
         hashes = req.block_hashes
         # Take the blocks still cached on the GPU first: allocating a miss before them could
         # evict one of them (they sit in the free list) and turn a hit into another copy.
-        hits = [self.pool.lookup(hashes[i]) for i in range(len(req.cpu_block_ids))]
+        hits = self.pool.lookup_all(hashes[: len(req.cpu_block_ids)])
         for block in hits:
             if block is not None:
                 self.pool.touch(block)
