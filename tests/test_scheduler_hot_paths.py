@@ -2,10 +2,13 @@
 
 At thousands of live requests the scheduler serves plain decodes in one inlined loop, writes
 through only the requests that filled a block, applies tokens in an inlined update, computes the
-TBT guard in one pass and ranks running and non-running requests apart. The reference below is
-the code before those changes; both run the same seeded random traces (arrivals with shared
-prefixes, stop tokens, min_tokens, aborts, async steps, memory and CPU-tier contention, every
-policy) and must produce identical plans and request states at every step.
+TBT guard in one pass and ranks running and non-running requests apart. Under overload it also
+checks whether a rotary request fits without looking its blocks up (the pool's hashes in use),
+looks one by one only at the rotary requests whose TBT is not lost, and ranks only the patient
+requests that fit. The reference below is the code before those changes (a lookup per block for
+each rotary request, every non-running request ranked); both run the same seeded random traces
+(arrivals with shared prefixes, stop tokens, min_tokens, aborts, async steps, memory and CPU-tier
+contention, every policy) and must produce identical plans and request states at every step.
 """
 
 from __future__ import annotations
