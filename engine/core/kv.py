@@ -322,6 +322,16 @@ class KVCacheManager:
         cached = self.cached_prefix(req)
         return self.blocks_for(req.num_tokens) - len(cached) + self._free_taken(cached)
 
+    def prefill_blocks_floor(self, req: Request, budget: int) -> int:
+        """At least the free GPU blocks a waiting request takes to prefill up to `budget` tokens
+        after its cached prefix, known without a lookup: at best, each prefix block of its that
+        another request holds is shared (a cached block in the free list still takes one)."""
+        blocks = self.blocks_for(min(req.num_tokens, budget))
+        if not self.pool.in_use:
+            return blocks
+        full = self.update_hashes(req)[: (req.num_tokens - 1) // self.block_size]
+        return blocks - len(self.pool.in_use.intersection(full))
+
     def growth_blocks(self, req: Request, num_new_tokens: int) -> int:
         """GPU blocks a running request needs to compute `num_new_tokens` more tokens."""
         return max(0, self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids))

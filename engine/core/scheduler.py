@@ -369,6 +369,10 @@ class Scheduler:
                 step.transfer_left -= len(moved.copies)
                 self._leave_rotary(req)
             else:
+                if self.kv.prefill_blocks_floor(req, step.budget) > self.kv.num_free_blocks:
+                    if strict:  # it cannot fit, whatever prefix of it is cached: no lookup
+                        return
+                    continue
                 cached = self.kv.cached_prefix(req)
                 num_cached = len(cached) * self.kv.block_size
                 n = min(req.num_tokens - num_cached, step.budget)
