@@ -151,8 +151,7 @@ class BlockPool:
 
     def copied(self, blocks: Iterable[int], step: int) -> None:
         """A copy in `step` reads or writes these blocks: releasing them waits for the step."""
-        for block in blocks:
-            self.copying[block] = step
+        self.copying.update(dict.fromkeys(blocks, step))
 
     def release(self, blocks: Iterable[int], computed_in: int = 0) -> None:
         """Drop one reference to each block, held by a request last computed in step
