@@ -114,7 +114,8 @@ class ReferenceScheduler(Scheduler):
     def admission_cost(self, req: Request) -> tuple[int, int]:
         if req.status is RequestStatus.ROTARY:
             return reference_swap_in_need(self.kv, req, self.next_tokens(req))
-        return self.kv.admission_need(req), 0
+        cached = self.kv.cached_prefix(req)
+        return self.kv.blocks_for(req.num_tokens) - len(cached) + self.kv._free_taken(cached), 0
 
     def _admit(self, order: list[Request], step, strict: bool) -> None:
         for req in order:

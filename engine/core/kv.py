@@ -318,6 +318,8 @@ class KVCacheManager:
 
     def admission_need(self, req: Request) -> int:
         """Free GPU blocks a waiting request takes to hold its tokens (its cached prefix reused)."""
+        if not self._prefix_in_use(req):
+            return self.blocks_for(req.num_tokens)  # cached or not, each block it takes is free
         cached = self.cached_prefix(req)
         return self.blocks_for(req.num_tokens) - len(cached) + self._free_taken(cached)
 
@@ -325,11 +327,15 @@ class KVCacheManager:
         """At least the free GPU blocks a waiting request takes to prefill up to `budget` tokens
         after its cached prefix, known without a lookup: at best, each prefix block of its that
         another request holds is shared (a cached block in the free list still takes one)."""
-        blocks = self.blocks_for(min(req.num_tokens, budget))
+        return self.blocks_for(min(req.num_tokens, budget)) - self._prefix_in_use(req)
+
+    def _prefix_in_use(self, req: Request) -> int:
+        """Blocks of the request's prefix that `cached_prefix` could find whose content another
+        request holds: the most it can share without taking a free block."""
         if not self.pool.in_use:
-            return blocks
-        full = self.update_hashes(req)[: (req.num_tokens - 1) // self.block_size]
-        return blocks - len(self.pool.in_use.intersection(full))
+            return 0
+        prefix = self.update_hashes(req)[: (req.num_tokens - 1) // self.block_size]
+        return len(self.pool.in_use.intersection(prefix))
 
     def growth_blocks(self, req: Request, num_new_tokens: int) -> int:
         """GPU blocks a running request needs to compute `num_new_tokens` more tokens."""
