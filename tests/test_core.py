@@ -224,6 +224,9 @@ def check_invariants(s: Scheduler) -> None:
     for block in range(pool.num_blocks):
         assert pool.ref_cnt[block] == refs.get(block, 0), f"block {block} refcount"
         assert (block in pool.free) == (pool.ref_cnt[block] == 0)
+    assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
+    watched = Counter(h for r in s.kv.swapped_out for h in r.block_hashes[: len(r.cpu_block_ids)])
+    assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
     for r in s.running:
         assert r.status is RequestStatus.RUNNING
         assert len(r.block_ids) >= cdiv(r.num_computed_tokens, BS)

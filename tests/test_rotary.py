@@ -180,7 +180,7 @@ def test_an_arrival_that_does_not_lag_yet_waits_for_free_blocks():
     clock.now = 2.0  # waited 2 s of its 2.5 s grace (0.5 x TTFT SLO): VLT 0
     decision = s.policy.decide(s, clock.now)
     assert decision.rotate_out == []
-    assert [r.request_id for r in decision.admit] == ["new"], "admitted only if free blocks hold it"
+    assert decision.admit == [] and [r.request_id for r in decision.patient] == ["new"], "only into free blocks"
     step(s)
     assert s.counters.rotations == 0
 
@@ -257,6 +257,7 @@ def test_prioritize_selects_only_what_the_transfer_budget_can_bring_in():
         )
         s.requests[req.request_id] = req
         s.rotary.append(req)
+        s.rotary_on_time.append(req)
     clock.now = 1.0
     assert [s.kv.swap_in_need(r, 1) for r in s.rotary] == [(4, 4)] * 6
     decision = s.policy.decide(s, clock.now)

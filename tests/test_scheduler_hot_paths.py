@@ -2,10 +2,13 @@
 
 At thousands of live requests the scheduler serves plain decodes in one inlined loop, writes
 through only the requests that filled a block, applies tokens in an inlined update, computes the
-TBT guard in one pass and ranks running and non-running requests apart. The reference below is
-the code before those changes; both run the same seeded random traces (arrivals with shared
-prefixes, stop tokens, min_tokens, aborts, async steps, memory and CPU-tier contention, every
-policy) and must produce identical plans and request states at every step.
+TBT guard in one pass and ranks running and non-running requests apart. Under overload it also
+checks whether a rotary request fits without looking its blocks up (the pool's hashes in use),
+looks one by one only at the rotary requests whose TBT is not lost, and ranks only the patient
+requests that fit. The reference below is the code before those changes (a lookup per block for
+each rotary request, every non-running request ranked); both run the same seeded random traces
+(arrivals with shared prefixes, stop tokens, min_tokens, aborts, async steps, memory and CPU-tier
+contention, every policy) and must produce identical plans and request states at every step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import bisect
 import contextlib
 import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -107,6 +111,55 @@ class ReferenceScheduler(Scheduler):
             step.swap_out += copies
             step.transfer_left -= len(copies)
 
+    def admission_cost(self, req: Request) -> tuple[int, int]:
+        if req.status is RequestStatus.ROTARY:
+            return reference_swap_in_need(self.kv, req, self.next_tokens(req))
+        cached = self.kv.cached_prefix(req)
+        return self.kv.blocks_for(req.num_tokens) - len(cached) + self.kv._free_taken(cached), 0
+
+    def _admit(self, order: list[Request], step, strict: bool) -> None:
+        for req in order:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if req.num_pending_tokens:
+                continue
+            if req.status is RequestStatus.ROTARY:
+                n = self.next_tokens(req)
+                blocks, copies = reference_swap_in_need(self.kv, req, n)
+                if copies > self.config.transfer_budget_blocks:
+                    self._leave_rotary(req)
+                    self._recompute(req, "transfer_budget")
+            if req.status is RequestStatus.ROTARY:
+                if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
+                    if strict:
+                        return
+                    continue
+                moved = self.kv.swap_in(req, n, step.id)
+                step.swap_in += moved.copies
+                step.swap_in_after = max(step.swap_in_after, moved.after_compute)
+                step.swap_in_after_copy = max(step.swap_in_after_copy, moved.after_copy)
+                step.transfer_left -= len(moved.copies)
+                self._leave_rotary(req)
+            else:
+                cached = self.kv.cached_prefix(req)
+                num_cached = len(cached) * self.kv.block_size
+                n = min(req.num_tokens - num_cached, step.budget)
+                if not self.kv.allocate(req, n, cached):
+                    if strict:
+                        return
+                    continue
+                self.waiting.remove(req)
+                req.num_computed_tokens = num_cached
+                if req.t_scheduled is None:
+                    req.t_scheduled = step.now
+                    req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.t_run = step.now
+            self.running.append(req)
+            if step.writes_through:
+                self._unwritten.add(req)
+            self._take(req, n, step)
+
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
@@ -139,6 +192,18 @@ class ReferenceScheduler(Scheduler):
             touched.append(req)
         self.kv.retire(plan.step_id)
         return touched
+
+
+def reference_swap_in_need(kv: KVCacheManager, req: Request, num_new_tokens: int) -> tuple[int, int]:
+    """A lookup per full block: free blocks taken (all but those another request holds) and copies."""
+    hashes = kv.update_hashes(req)
+    taken = copies = 0
+    for i in range(len(req.cpu_block_ids)):
+        block = kv.pool.lookup(hashes[i])
+        copies += block is None
+        taken += block is None or kv.pool.ref_cnt[block] == 0
+    copies += req.cpu_tail is not None
+    return taken + kv.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids), copies
 
 
 def reference_tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
@@ -369,9 +434,22 @@ def run_both(seed: int) -> Scheduler:
             touched = [[r.request_id for r in s.update(plan, sampled)] for s, plan in zip(both, plans, strict=True)]
             assert touched[0] == touched[1]
         assert state_digest(fast) == state_digest(ref)
+        check_swap_in_index(fast)
     # Plans share block tables with their requests: none changed after it was handed out.
     assert all(plan_digest(plan) == digest for plan, digest in handed_out)
     return fast
+
+
+def check_swap_in_index(s: Scheduler) -> None:
+    """What admission reads instead of looking at every rotary request: the hashes in use, those of
+    the swapped-out requests' blocks, and the rotary requests apart by whether their TBT is lost."""
+    pool = s.kv.pool
+    assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
+    assert s.kv.swapped_out == set(s.rotary)
+    watched = Counter(h for r in s.rotary for h in r.block_hashes[: len(r.cpu_block_ids)])
+    assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
+    assert s.rotary_on_time == [r for r in s.rotary if not r.tbt_missed]
+    assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
 
 
 SEEDS = range(40)

@@ -27,6 +27,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
 
 from superinfer.engine.core.request import Request
@@ -37,7 +38,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def _newest(blocks: Iterable[int], fences: dict[int, int]) -> int:
-    return max((fences.get(b, 0) for b in blocks), default=0)
+    return max(map(fences.get, blocks, repeat(0)), default=0)
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -69,6 +70,9 @@ class BlockPool:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.in_use: set[bytes] = set()  # hashes whose cached block is referenced (ref_cnt > 0)
+        self.watched: dict[bytes, int] = {}  # hash -> how many swapped-out requests have a block of it
+        self.watched_in_use = 0  # watched hashes in `in_use`
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
         self.copying: dict[int, int] = {}  # block -> the newest unfinished step with a copy from or to it
         self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
@@ -115,13 +119,17 @@ class BlockPool:
     def _pop(self, n: int, avoid: tuple[dict[int, int], ...]) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
+        head = list(islice(self.free, n))
+        if all(fences.keys().isdisjoint(head) for fences in avoid):  # the common case
+            for block in head:
+                del self.free[block]
+            return [self._take(b) for b in head]
         clean: list[int] = []
         if any(avoid):  # from the head; past n + (fenced blocks) blocks, no unfenced one is left
-            for i, block in enumerate(self.free):
-                if len(clean) == n or i == n + sum(map(len, avoid)):
-                    break
-                if not any(block in fences for fences in avoid):
-                    clean.append(block)
+            head = islice(self.free, n + sum(map(len, avoid)))
+            for fences in avoid:
+                head = filterfalse(fences.__contains__, head)
+            clean = list(islice(head, n))  # the scan runs in C: the head may hold many fenced blocks
             for block in clean:
                 del self.free[block]
         rest = [self.free.popitem(last=False)[0] for _ in range(n - len(clean))]
@@ -136,12 +144,14 @@ class BlockPool:
         """Take one more reference to a block found in the prefix cache."""
         if self.ref_cnt[block] == 0:
             del self.free[block]
+            h = self.hash_of[block]
+            if h is not None and self.cached.get(h) == block:
+                self._use(h)
         self.ref_cnt[block] += 1
 
     def copied(self, blocks: Iterable[int], step: int) -> None:
         """A copy in `step` reads or writes these blocks: releasing them waits for the step."""
-        for block in blocks:
-            self.copying[block] = step
+        self.copying.update(dict.fromkeys(blocks, step))
 
     def release(self, blocks: Iterable[int], computed_in: int = 0) -> None:
         """Drop one reference to each block, held by a request last computed in step
@@ -155,6 +165,9 @@ class BlockPool:
             if self.ref_cnt[block] < 0:
                 raise RuntimeError(f"block {block} released more often than it was taken")
             if self.ref_cnt[block] == 0:
+                h = self.hash_of[block]
+                if h is not None and self.cached.get(h) == block:
+                    self._unuse(h)
                 copy_fence = self.copying.get(block)
                 if copy_fence is None or (self.reuse_under_copy and copy_fence < self.planning):
                     self.free[block] = None
@@ -177,11 +190,43 @@ class BlockPool:
         """Make a full block findable by its prefix hash (the first block with a hash keeps it)."""
         if self.hash_of[block] is None:
             self.hash_of[block] = h
-            self.cached.setdefault(h, block)
+            if self.cached.setdefault(h, block) == block and self.ref_cnt[block] > 0:
+                self._use(h)
+
+    def _use(self, h: bytes) -> None:
+        self.in_use.add(h)
+        if h in self.watched:
+            self.watched_in_use += 1
+
+    def _unuse(self, h: bytes) -> None:
+        self.in_use.discard(h)
+        if h in self.watched:
+            self.watched_in_use -= 1
+
+    def watch(self, hashes: Iterable[bytes]) -> None:
+        """Count in `watched_in_use` whether these hashes are in use (a request swapped out)."""
+        for h in hashes:
+            n = self.watched.get(h, 0)
+            self.watched[h] = n + 1
+            if not n and h in self.in_use:
+                self.watched_in_use += 1
+
+    def unwatch(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            n = self.watched.pop(h) - 1
+            if n:
+                self.watched[h] = n
+            elif h in self.in_use:
+                self.watched_in_use -= 1
 
     def lookup(self, h: bytes) -> int | None:
         block = self.cached.get(h)
         return None if block is None or block in self.held else block
+
+    def lookup_all(self, hashes: Iterable[bytes]) -> list[int | None]:
+        """`lookup` of each hash (a rotary request's blocks, on the swap-in path)."""
+        held = self.held
+        return [None if b is None or b in held else b for b in map(self.cached.get, hashes)]
 
     def _drop_hash(self, block: int) -> None:
         h = self.hash_of[block]
@@ -201,6 +246,7 @@ class KVCacheManager:
         self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.swapped_out: set[Request] = set()  # their full blocks' hashes are watched in the pool
 
     @property
     def num_blocks(self) -> int:
@@ -272,8 +318,24 @@ class KVCacheManager:
 
     def admission_need(self, req: Request) -> int:
         """Free GPU blocks a waiting request takes to hold its tokens (its cached prefix reused)."""
+        if not self._prefix_in_use(req):
+            return self.blocks_for(req.num_tokens)  # cached or not, each block it takes is free
         cached = self.cached_prefix(req)
         return self.blocks_for(req.num_tokens) - len(cached) + self._free_taken(cached)
+
+    def prefill_blocks_floor(self, req: Request, budget: int) -> int:
+        """At least the free GPU blocks a waiting request takes to prefill up to `budget` tokens
+        after its cached prefix, known without a lookup: at best, each prefix block of its that
+        another request holds is shared (a cached block in the free list still takes one)."""
+        return self.blocks_for(min(req.num_tokens, budget)) - self._prefix_in_use(req)
+
+    def _prefix_in_use(self, req: Request) -> int:
+        """Blocks of the request's prefix that `cached_prefix` could find whose content another
+        request holds: the most it can share without taking a free block."""
+        if not self.pool.in_use:
+            return 0
+        prefix = self.update_hashes(req)[: (req.num_tokens - 1) // self.block_size]
+        return len(self.pool.in_use.intersection(prefix))
 
     def growth_blocks(self, req: Request, num_new_tokens: int) -> int:
         """GPU blocks a running request needs to compute `num_new_tokens` more tokens."""
@@ -297,6 +359,7 @@ class KVCacheManager:
 
         Blocks an unfinished copy touches stay quarantined until its step completes.
         """
+        self._forget_swap_out(req)
         self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
         if self.cpu:
@@ -370,25 +433,40 @@ class KVCacheManager:
             self._copying([copies[-1][0]], [tail], step)
         self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
+        self.swapped_out.add(req)
+        self.pool.watch(self._full_hashes(req))
         return copies
 
-    def new_blocks_to_swap_in(self, req: Request, num_new_tokens: int) -> int:
-        """The free blocks a rotary request takes beyond its full blocks: a lower bound of
-        `swap_in_need`'s first figure, without a lookup."""
-        return self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids)
+    def _full_hashes(self, req: Request) -> list[bytes]:
+        """The hashes of the full blocks the request has copies of in the CPU tier."""
+        return self.update_hashes(req)[: len(req.cpu_block_ids)]
+
+    def _forget_swap_out(self, req: Request) -> None:
+        if req in self.swapped_out:
+            self.swapped_out.remove(req)
+            self.pool.unwatch(self._full_hashes(req))
 
     def swap_in_need(self, req: Request, num_new_tokens: int) -> tuple[int, int]:
         """(free GPU blocks taken, blocks copied) to bring a rotary request back and compute
-        `num_new_tokens`. Its own blocks still cached on the GPU are reused without a copy (they
-        take a free block only if they sit in the free list)."""
-        hashes = self.update_hashes(req)
-        taken = copies = 0
-        for i in range(len(req.cpu_block_ids)):
-            block = self.pool.lookup(hashes[i])
-            copies += block is None
-            taken += block is None or self.pool.ref_cnt[block] == 0
-        copies += req.cpu_tail is not None
-        return taken + self.new_blocks_to_swap_in(req, num_new_tokens), copies
+        `num_new_tokens`."""
+        return self.swap_in_blocks(req, num_new_tokens), self.swap_in_copies(req)
+
+    def swap_in_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """Free GPU blocks a rotary request takes to come back and compute `num_new_tokens`: all
+        its blocks but the full ones another request holds on the GPU (its own blocks still
+        cached in the free list are reused, yet leave the free list). Checked for every rotary
+        request every step under contention: without a lookup per block, and without any
+        while no swapped-out request's content is in use."""
+        blocks = self.blocks_for(req.num_computed_tokens + num_new_tokens)
+        if req in self.swapped_out and not self.pool.watched_in_use:
+            return blocks
+        return blocks - len(self.pool.in_use.intersection(self._full_hashes(req)))
+
+    def swap_in_copies(self, req: Request) -> int:
+        """Blocks copied to bring a rotary request back: its full blocks no longer cached on the
+        GPU, and its partial tail."""
+        misses = self.pool.lookup_all(self._full_hashes(req)).count(None)
+        return misses + (req.cpu_tail is not None)
 
     def swap_in(self, req: Request, num_new_tokens: int, step: int) -> SwapIn:
         """Bring a rotary request's KV back: the copies, and what they must wait for.
@@ -396,10 +474,11 @@ class KVCacheManager:
         The caller has checked `swap_in_need` against the free pool. Its own full blocks still
         cached on the GPU are reused without a copy.
         """
+        self._forget_swap_out(req)
         hashes = req.block_hashes
         # Take the blocks still cached on the GPU first: allocating a miss before them could
         # evict one of them (they sit in the free list) and turn a hit into another copy.
-        hits = [self.pool.lookup(hashes[i]) for i in range(len(req.cpu_block_ids))]
+        hits = self.pool.lookup_all(hashes[: len(req.cpu_block_ids)])
         for block in hits:
             if block is not None:
                 self.pool.touch(block)

@@ -35,6 +35,9 @@ class Decision:
     admit: list[Request] = field(default_factory=list)  # waiting/rotary requests, in admission order
     strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
     token_budget: int | None = None  # a tighter token budget for this step than the configured one
+    # Admitted after `admit` into what is left, best first by the policy's `rank`, each skipped if
+    # it does not fit (never in strict order): the scheduler ranks only those that may fit.
+    patient: list[Request] = field(default_factory=list)
 
 
 class Policy(Protocol):
@@ -49,6 +52,10 @@ class Policy(Protocol):
         """Running requests, the likeliest to be rotated out next first."""
         ...
 
+    def rank(self, requests: Sequence[Request], now: float) -> list[Request]:
+        """Non-running requests, the first to be admitted first (`Decision.patient`)."""
+        ...
+
 
 def by_arrival(requests: Sequence[Request]) -> list[Request]:
     return sorted(requests, key=lambda r: r.arrival_time)
@@ -59,7 +66,7 @@ class FCFSPolicy:
     uses_cpu_tier = False
 
     def decide(self, sched: Scheduler, now: float) -> Decision:
-        return Decision(admit=[*sched.waiting, *by_arrival(sched.rotary)])
+        return Decision(admit=[*sched.waiting, *sched.rotary])
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """The running request to preempt when blocks run out: the most recently admitted."""
@@ -67,6 +74,9 @@ class FCFSPolicy:
 
     def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
         return list(running)  # never rotates
+
+    def rank(self, requests: Sequence[Request], now: float) -> list[Request]:
+        return by_arrival(requests)
 
 
 @dataclass(frozen=True)
@@ -150,7 +160,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     if not model.ready:
         return None
     restarted = [r for r in sched.waiting if r.t_first_token is not None]
-    d, tokens, min_tbt_ms, oldest = _live_stats((sched.running, sched.rotary, restarted))
+    d, tokens, min_tbt_ms, oldest = _live_stats((sched.running, sched.rotary_on_time, restarted))
     if not d:
         return None
     kv = sched.kv
@@ -188,6 +198,15 @@ def _running_rank(now: float, r: Request) -> tuple[int, bool, float]:
     return -r.priority, r.max_gap_s * 1000.0 > r.slo.tbt_ms, now - (r.t_run if r.t_run is not None else now)
 
 
+def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:
+    """A non-running request's ranking key, (-priority, r.tbt_missed, -VLT), inlined: they are many."""
+    if r.t_last_token is None:
+        vlt = max(0.0, now - r.arrival_time - p.beta_f * r.slo.ttft_ms / 1000.0)
+    else:
+        vlt = p.alpha * max(0.0, now - r.t_last_token - p.beta_b * r.slo.tbt_ms / 1000.0)
+    return -r.priority, r.max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt
+
+
 class RotaryPolicy:
     name = "rotary"
     uses_cpu_tier = True
@@ -205,42 +224,40 @@ class RotaryPolicy:
             waiting = [r for r in waiting if id(r) not in held]
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
-        others = [*waiting, *by_arrival(sched.rotary)]
+        others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
         if not others:
             return Decision(token_budget=budget)  # nothing to admit: no contention
         free = kv.num_free_blocks - _growth_blocks(sched)
-        costs: dict[str, tuple[int, int]] = {}
+        taken: dict[str, int] = {}
 
-        def cost(r: Request) -> tuple[int, int]:
-            if r.request_id not in costs:
-                costs[r.request_id] = sched.admission_cost(r)
-            return costs[r.request_id]
+        def blocks(r: Request) -> int:
+            if r.request_id not in taken:
+                taken[r.request_id] = sched.admission_blocks(r)
+            return taken[r.request_id]
 
         total = 0
         for r in others:  # contention check; stops at the first sign of contention
-            total += cost(r)[0]
+            total += blocks(r)
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
             return Decision(admit=by_arrival(others), token_budget=budget)
 
-        # Priority first (SLO classes), then the requests whose TBT can still be met, then lag;
-        # stable: arrival order on ties. Admission takes the non-running requests best first, and
-        # rotation the running ones worst first: each group is ranked on its own.
-        vlt = {r.request_id: virtual_lag_time(r, now, p) for r in others}
-        ranked = sorted(others, key=lambda r: (-r.priority, r.tbt_missed, -vlt[r.request_id]))
+        # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
+        # displaces a running one (a lost request bounced in and out costs two copies per token).
+        # Under overload most rotary requests are: the scheduler ranks only those that fit. (In
+        # `others` order but for the lost rotary ones last: they never tie with one on time.)
+        lagging, patient = [], []
+        for r in [*waiting, *sched.rotary_on_time]:
+            (patient if r.tbt_missed or virtual_lag_time(r, now, p) <= 0 else lagging).append(r)
+        patient += sched.rotary_lost
         left = free + p.transfer_budget_blocks
         xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
-        admit, patient = [], []
-        for r in ranked:
-            if vlt[r.request_id] <= 0 or r.tbt_missed:
-                # Not lagging, or its TBT is lost anyway: it takes free blocks only, never displaces
-                # a running one (a lost request bounced in and out costs two copies per token).
-                patient.append(r)
-                continue
+        admit = []
+        for r in self.rank(lagging, now):
             if left <= 0 or xfer_left <= 0:
-                continue  # Prioritize is done: nothing more fits under free + B_xfer
-            n, copies = cost(r)
+                break  # Prioritize is done: nothing more fits under free + B_xfer
+            n, copies = blocks(r), sched.admission_copies(r)
             # A request that could never come back within one step's budget still goes to the
             # scheduler, which prefills it again instead.
             if n <= left and (copies <= xfer_left or copies > p.transfer_budget_blocks):
@@ -256,7 +273,7 @@ class RotaryPolicy:
                 if self._may_rotate_out(sched, r, now, residency):
                     rotate_out.append(r)
                     to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit + patient, strict_order=False, token_budget=budget)
+        return Decision(rotate_out, admit, strict_order=False, token_budget=budget, patient=patient)
 
     @staticmethod
     def _may_rotate_out(sched: Scheduler, req: Request, now: float, residency_s: float) -> bool:
@@ -272,6 +289,12 @@ class RotaryPolicy:
             and req.in_decode
             and not sched.ends_after_pending(req)
         )
+
+    def rank(self, requests: Sequence[Request], now: float) -> list[Request]:
+        """Priority first (SLO classes), then the requests whose TBT can still be met, then lag;
+        stable: arrival order on ties. Admission takes the non-running requests best first, and
+        rotation the running ones worst first: each group is ranked on its own."""
+        return sorted(requests, key=partial(_rank, now, self.params))
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """Out of blocks mid-step: the candidate with the smallest VLT (the longest running)."""
@@ -305,6 +328,9 @@ class WatermarkPolicy:
 
     def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
         return sorted(running, key=lambda r: r.t_run or 0.0)  # the oldest first, as `decide` rotates
+
+    def rank(self, requests: Sequence[Request], now: float) -> list[Request]:
+        return by_arrival(requests)
 
 
 def make_policy(name: str, rotary: RotaryParams | None = None, num_gpu_blocks: int = 0) -> Policy:

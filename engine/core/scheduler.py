@@ -20,9 +20,10 @@ that ends by EOS or a stop string wastes one token, dropped when its step comple
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -31,6 +32,19 @@ from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
+
+_arrival = attrgetter("arrival_time")
+
+
+def _remove_sorted(requests: list[Request], req: Request) -> bool:
+    """Remove `req` from a list in arrival order, found by bisection; False if it is not there."""
+    i = bisect.bisect_left(requests, req.arrival_time, key=_arrival)
+    while i < len(requests) and requests[i].arrival_time == req.arrival_time:
+        if requests[i] is req:
+            del requests[i]
+            return True
+        i += 1
+    return False
 
 
 @dataclass(frozen=True)
@@ -120,7 +134,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.rotary: list[Request] = []
+        self.rotary: list[Request] = []  # in arrival order (rotated out earlier first on ties)
+        # The same apart, in the same order, by whether their TBT SLO is lost (Request.tbt_missed):
+        # under overload most are, and the rotary policy only looks at the others one by one.
+        self.rotary_on_time: list[Request] = []
+        self.rotary_lost: list[Request] = []
+        # Free GPU blocks each rotary request takes to come back while no swapped-out content is
+        # in use (kv.swap_in_blocks); 0 for one whose copies may exceed the transfer budget (that
+        # one goes to the exact check). Under overload most rotary requests cannot fit, each step:
+        # this skips them without a look at their blocks.
+        self._swap_in_blocks: dict[Request, int] = {}
         self.counters = SchedulerCounters()
         self._released: list[str] = []
         self._step_id = 0
@@ -190,12 +213,15 @@ class Scheduler:
         """Tokens the request would compute next step (a decode token, or its whole remaining prefill)."""
         return req.num_scheduled_tokens - req.num_computed_tokens
 
-    def admission_cost(self, req: Request) -> tuple[int, int]:
-        """(free GPU blocks taken, blocks copied in) for a non-running request to be admitted and
-        finish its next step."""
+    def admission_blocks(self, req: Request) -> int:
+        """Free GPU blocks a non-running request takes to be admitted and finish its next step."""
         if req.status is RequestStatus.ROTARY:
-            return self.kv.swap_in_need(req, self.next_tokens(req))
-        return self.kv.admission_need(req), 0
+            return self.kv.swap_in_blocks(req, self.next_tokens(req))
+        return self.kv.admission_need(req)
+
+    def admission_copies(self, req: Request) -> int:
+        """Blocks copied in to admit a non-running request (a rotary one)."""
+        return self.kv.swap_in_copies(req) if req.status is RequestStatus.ROTARY else 0
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -215,6 +241,8 @@ class Scheduler:
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
+            if decision.patient:
+                self._admit_patient(decision.patient, step)
         if step.writes_through:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran
@@ -255,7 +283,7 @@ class Scheduler:
         """Serve running[i:] while they are plain decodes (one token, and a block for it), skipping
         those whose pending token ends them; returns where it stopped (a prefill chunk, or no free
         block: the general path evicts). The bulk of a step with thousands of running requests:
-        _take(req, 1, step) inlined, locals hoisted."""
+        _take(req, 1, step) and Request.ends_after_pending inlined, locals hoisted."""
         running, kv, max_len = self.running, self.kv, self.config.max_model_len
         bs = kv.block_size
         seqs, requests, budget = step.seqs, step.requests, step.budget
@@ -263,10 +291,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             start, pending = req.num_computed_tokens, req.num_pending_tokens
-            if pending and req.ends_after_pending(max_len):
-                i += 1
+            total = len(req.token_ids) + pending
+            if pending and (total - len(req.prompt_token_ids) >= req.sampling.max_tokens or total >= max_len):
+                i += 1  # req.ends_after_pending(max_len)
                 continue
-            if len(req.token_ids) + pending - start != 1:
+            if total - start != 1:
                 break
             if start >= len(req.block_ids) * bs and not kv.allocate(req, 1):
                 break  # allocate changed nothing
@@ -288,7 +317,23 @@ class Scheduler:
         step.budget = budget
         return i
 
-    def _admit(self, order: list[Request], step: _Step, strict: bool) -> None:
+    def _admit_patient(self, requests: list[Request], step: _Step) -> None:
+        """Admit the patient requests into what is left, best first, without looking at the
+        rotary ones the free blocks cannot hold: under overload most of them, each step. Such a
+        one never fits this step: admitting others shrinks the free blocks by at least what it
+        shrinks its need (a free block is taken for each of its blocks brought into use). So
+        they are left out before ranking, and again after each admission."""
+        pool, need = self.kv.pool, self._swap_in_blocks
+        if not pool.watched_in_use:  # (`need` is exact only then)
+            free = pool.num_free
+            requests = [r for r in requests if need.get(r, 0) <= free]
+
+        def may_fit(req: Request) -> bool:
+            return pool.watched_in_use > 0 or need.get(req, 0) <= pool.num_free
+
+        self._admit(filter(may_fit, self.policy.rank(requests, step.now)), step, strict=False)
+
+    def _admit(self, order: Iterable[Request], step: _Step, strict: bool) -> None:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
         is skipped for the ones after it."""
         for req in order:
@@ -298,19 +343,19 @@ class Scheduler:
                 continue  # left the GPU while its last step was in flight: back once that completes
             if req.status is RequestStatus.ROTARY:
                 n = self.next_tokens(req)
-                # Without looking its blocks up: when even its new blocks cannot fit (and it could
-                # come back within the budget), it is skipped as the exact check would skip it.
-                # Under overload most rotary requests end here, each step.
+                blocks = self.kv.swap_in_blocks(req, n)
+                # When it cannot fit (and could come back within the budget), its copies need not
+                # be counted.
                 may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
                 if may_copy <= self.config.transfer_budget_blocks and (
-                    n > step.budget or self.kv.new_blocks_to_swap_in(req, n) > self.kv.num_free_blocks
+                    n > step.budget or blocks > self.kv.num_free_blocks
                 ):
                     if strict:
                         return
                     continue
-                blocks, copies = self.kv.swap_in_need(req, n)
+                copies = self.kv.swap_in_copies(req)
                 if copies > self.config.transfer_budget_blocks:
-                    self.rotary.remove(req)  # it could never come back within a step's budget
+                    self._leave_rotary(req)  # it could never come back within a step's budget
                     self._recompute(req, "transfer_budget")
             if req.status is RequestStatus.ROTARY:
                 if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
@@ -322,8 +367,12 @@ class Scheduler:
                 step.swap_in_after = max(step.swap_in_after, moved.after_compute)
                 step.swap_in_after_copy = max(step.swap_in_after_copy, moved.after_copy)
                 step.transfer_left -= len(moved.copies)
-                self.rotary.remove(req)
+                self._leave_rotary(req)
             else:
+                if self.kv.prefill_blocks_floor(req, step.budget) > self.kv.num_free_blocks:
+                    if strict:  # it cannot fit, whatever prefix of it is cached: no lookup
+                        return
+                    continue
                 cached = self.kv.cached_prefix(req)
                 num_cached = len(cached) * self.kv.block_size
                 n = min(req.num_tokens - num_cached, step.budget)
@@ -359,7 +408,7 @@ class Scheduler:
         # Hot at thousands of requests: Request.append_token and stop_reason are inlined, and
         # commit_full_blocks is called only when the step filled a block.
         max_len, bs, caching = self.config.max_model_len, self.kv.block_size, self.kv.enable_prefix_caching
-        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        running, finished, rotary = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ROTARY
         for req, seq in zip(submitted.requests, plan.seqs, strict=True):
             sample = seq.sample
             if sample:
@@ -381,7 +430,10 @@ class Scheduler:
                 gap = now - req.t_last_token
                 req.token_gaps.append(gap)
                 if gap > req.max_gap_s:
+                    lost_now = status is rotary and gap * 1000.0 > req.slo.tbt_ms and not req.tbt_missed
                     req.max_gap_s = gap
+                    if lost_now:
+                        self._split_rotary()
             req.t_last_token = now
             sp = req.sampling
             if (
@@ -474,8 +526,22 @@ class Scheduler:
         req.num_rotations += 1
         self.counters.rotations += 1
         self.counters.preempted("swap", reason)
-        self.rotary.append(req)
+        bisect.insort(self.rotary, req, key=_arrival)
+        bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=_arrival)
+        may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
+        fits = may_copy <= self.config.transfer_budget_blocks
+        self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
         return True
+
+    def _leave_rotary(self, req: Request) -> None:
+        _remove_sorted(self.rotary, req)
+        _remove_sorted(self.rotary_lost, req) or _remove_sorted(self.rotary_on_time, req)
+        del self._swap_in_blocks[req]
+
+    def _split_rotary(self) -> None:
+        """A rotary request lost its TBT SLO (its pending token came late): rare, so split again."""
+        self.rotary_on_time = [r for r in self.rotary if not r.tbt_missed]
+        self.rotary_lost = [r for r in self.rotary if r.tbt_missed]
 
     def _evict(self, req: Request, step: _Step) -> None:
         """A running request must give up its blocks (another ran out): rotate it to the CPU tier
@@ -505,7 +571,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.ROTARY:
-            self.rotary.remove(req)
+            self._leave_rotary(req)
         self.kv.free(req)
         self._unwritten.discard(req)
         req.status = RequestStatus.FINISHED
