@@ -524,6 +524,7 @@ class Scheduler:
         bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=_arrival)
         may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
         fits = may_copy <= self.config.transfer_budget_blocks
+        # kv.swap_in_blocks(req, self.next_tokens(req)) while none of its content is in use
         self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
         return True
 
