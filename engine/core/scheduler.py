@@ -36,15 +36,9 @@ from superinfer.engine.core.step_time import StepShape, StepTimeModel
 _arrival = attrgetter("arrival_time")
 
 
-def _remove_sorted(requests: list[Request], req: Request) -> bool:
-    """Remove `req` from a list in arrival order, found by bisection; False if it is not there."""
-    i = bisect.bisect_left(requests, req.arrival_time, key=_arrival)
-    while i < len(requests) and requests[i].arrival_time == req.arrival_time:
-        if requests[i] is req:
-            del requests[i]
-            return True
-        i += 1
-    return False
+def _remove_sorted(requests: list[Request], req: Request) -> None:
+    """Remove `req` from a list in arrival order, looked for from its arrival's first place on."""
+    del requests[requests.index(req, bisect.bisect_left(requests, req.arrival_time, key=_arrival))]
 
 
 @dataclass(frozen=True)
@@ -530,12 +524,13 @@ class Scheduler:
         bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=_arrival)
         may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
         fits = may_copy <= self.config.transfer_budget_blocks
+        # kv.swap_in_blocks(req, self.next_tokens(req)) while none of its content is in use
         self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
         return True
 
     def _leave_rotary(self, req: Request) -> None:
         _remove_sorted(self.rotary, req)
-        _remove_sorted(self.rotary_lost, req) or _remove_sorted(self.rotary_on_time, req)
+        _remove_sorted(self.rotary_lost if req in self.rotary_lost else self.rotary_on_time, req)
         del self._swap_in_blocks[req]
 
     def _split_rotary(self) -> None:
