@@ -392,6 +392,26 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class FailsOnce:
+    """What both engine front ends (thread, process) do on a fatal error: remember the first one
+    and let the event loop end every live request (`_fail_live`)."""
+
+    error: BaseException | None
+    _loop: asyncio.AbstractEventLoop | None
+
+    def _fail_live(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop serving after a fatal error (from any thread): every live request gets an
+        EngineDeadError and new ones are refused."""
+        if self.error is not None:
+            return
+        self.error = exc
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_live, exc)
+
+
 Delivery = list[tuple[str, RequestOutput | BaseException]]
 
 
@@ -487,7 +507,7 @@ class EngineLoop:
             self._handlers[kind](command)
 
 
-class AsyncEngine:
+class AsyncEngine(FailsOnce):
     """EngineCore on its own thread; `generate` streams a request's outputs to a coroutine."""
 
     def __init__(self, core: EngineCore) -> None:
@@ -531,15 +551,6 @@ class AsyncEngine:
                 log.warning("the engine thread did not stop within %.0f s: left behind", timeout_s)
             self._thread = None
         self.core.close()
-
-    def fail(self, exc: BaseException) -> None:
-        """Stop serving after a fatal error (from any thread): every live request gets an
-        EngineDeadError and new ones are refused."""
-        if self.error is not None:
-            return
-        self.error = exc
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_live, exc)
 
     def _fail_live(self, exc: BaseException) -> None:
         self._dispatch([(rid, EngineDeadError(f"the engine failed: {exc}")) for rid in list(self._streams)])

@@ -52,7 +52,7 @@ import torch.multiprocessing as mp
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.request import SamplingParams
-from superinfer.engine.engine import Delivery, EngineCore, EngineDeadError, EngineLoop
+from superinfer.engine.engine import Delivery, EngineCore, EngineDeadError, EngineLoop, FailsOnce
 from superinfer.engine.model.config import ModelConfig
 from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo import SLO
@@ -121,7 +121,7 @@ class _Stream:
     text: TextStream
 
 
-class ProcessEngine:
+class ProcessEngine(FailsOnce):
     """AsyncEngine's interface with the EngineCore in a child process: `generate` streams a
     request's outputs, detokenized here."""
 
@@ -200,15 +200,6 @@ class ProcessEngine:
         if self._pipe is not None:
             self._pipe.close()
         self._proc = None
-
-    def fail(self, exc: BaseException) -> None:
-        """Stop serving after a fatal error (from any thread): every live request gets an
-        EngineDeadError and new ones are refused."""
-        if self.error is not None:
-            return
-        self.error = exc
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_live, exc)
 
     def _fail_live(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):

@@ -34,7 +34,7 @@ from tests import test_server as srv
 from tests import test_structured_api as structured
 from tests.conftest import SERVED_MODEL
 from tests.test_cli import free_port, wait_ready
-from tests.test_tensor_parallel import _children, _post
+from tests.test_tensor_parallel import _post, spawned_child
 
 ON_THE_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")  # the module-scoped servers' loop
 
@@ -314,7 +314,7 @@ def test_serve_answers_503_and_exits_non_zero_when_the_engine_process_is_killed(
         while not _generating(url):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+        os.kill(spawned_child(proc.pid, "engine"), signal.SIGKILL)
         thread.join(TIMEOUT_S)
         assert not thread.is_alive(), "the request hung"
         status, body = results[0]
@@ -336,14 +336,6 @@ def _generating(url: str) -> bool:
         line.startswith(c.metric("generation_tokens_total")) and float(line.rsplit(" ", 1)[1]) > 0
         for line in text.splitlines()
     )
-
-
-def _engine_pid(server_pid: int) -> int:
-    for child in _children(server_pid):
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():  # not the resource tracker
-                return child
-    raise AssertionError("no engine process found")
 
 
 async def test_tp2_in_the_engine_process_gives_the_tokens_of_tp1():

@@ -213,12 +213,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _worker_pid(server_pid: int) -> int:
+def spawned_child(server_pid: int, what: str) -> int:
+    """The process the server spawned (a worker rank, or the engine process)."""
     for child in _children(server_pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:
             if b"spawn_main" in f.read():  # not the resource tracker
                 return child
-    raise AssertionError("no tensor-parallel worker process found")
+    raise AssertionError(f"no {what} process found")
 
 
 def _post(url: str, body: dict, results: list) -> None:
@@ -247,7 +248,7 @@ def test_serve_answers_503_and_exits_non_zero_when_a_worker_is_killed_mid_reques
         while not _generating(url):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        os.kill(_worker_pid(proc.pid), signal.SIGKILL)
+        os.kill(spawned_child(proc.pid, "tensor-parallel worker"), signal.SIGKILL)
         thread.join(TIMEOUT_S)
         assert not thread.is_alive(), "the request hung"
         status, body = results[0]
