@@ -77,11 +77,12 @@ class EngineConfig(BaseModel):
     write_through: bool = Field(
         True, description="copy full KV blocks to the CPU tier as they fill, so a rotation copies only the tail"
     )
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
         "auto",
         description="paged attention: triton (the Triton kernels; needs the gpu extra, and on the CPU "
-        "TRITON_INTERPRET=1: interpreted, for tests), torch (the reference: gather + SDPA), auto (triton on CUDA "
-        "when triton imports, else torch)",
+        "TRITON_INTERPRET=1: interpreted, for tests), cpu (a C kernel for the decodes, built at first use with the "
+        "system's C compiler), torch (the reference: gather + SDPA), auto (triton on CUDA when triton imports; on "
+        "the CPU cpu when it builds, else torch)",
     )
 
     # Scheduler

@@ -1,1 +1,1 @@
-"""Triton kernels with torch reference implementations."""
+"""Attention kernels: Triton for CUDA, C for the CPU, each with a torch reference."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from superinfer.engine.worker.attention import (
     plan_attention,
     resolve_backend,
 )
+from superinfer.engine.worker.cpu_attention import CpuPagedAttention
 
 LAYERS, KV_HEADS, HEADS, DIM = 2, 2, 4, 16
 
@@ -32,10 +35,12 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     return torch.einsum("hqk,khd->qhd", probs, v.double()).float()
 
 
-def _run_steps(seed: int, block_size: int, pad_tokens: int, group_bytes: int, device: str = "cpu") -> set[str]:
+def _run_steps(
+    seed: int, block_size: int, pad_tokens: int, group_bytes: int, device: str = "cpu", backend: str = "torch"
+) -> set[str]:
     """Sequences arrive, prefill in chunks (some grouped, some continued) and decode, mixed in
     shuffled steps; every step's output equals dense attention over the sequence's history.
-    Returns the kinds of groups the steps had."""
+    Returns the kinds of groups the steps had. `backend` cpu: decodes on the C kernel."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 400 // block_size * 12 + 8
@@ -72,7 +77,11 @@ def _run_steps(seed: int, block_size: int, pad_tokens: int, group_bytes: int, de
         v = torch.randn(row, KV_HEADS, DIM, generator=gen)
         meta = plan_attention(spans, cache, pad_tokens, group_bytes)
         kinds |= {_kind(g) for g in meta.groups}
-        attn = PagedAttention(cache, meta, DIM**-0.5)
+        if backend == "cpu":
+            attn = CpuPagedAttention(spans, cache, DIM**-0.5)
+            assert attn.meta.groups == [] or all(g.q_len > 1 for g in attn.meta.groups)
+        else:
+            attn = PagedAttention(cache, meta, DIM**-0.5)
         for layer in range(LAYERS):
             out = attn(layer, *(t.to(device) for t in (q * (layer + 1), k + layer, v - layer))).cpu()
             for span, (i, start, n) in zip(spans, chunks, strict=True):
@@ -95,6 +104,12 @@ def _kind(g: AttentionGroup) -> str:
 def test_ragged_steps_match_dense_attention(block_size: int, seed: int) -> None:
     kinds = _run_steps(seed, block_size, pad_tokens=64, group_bytes=4 << 20)
     assert {"decodes xN", "first chunks (padded) xN", "continued chunk x1"} <= kinds
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_ragged_steps_match_dense_attention_with_the_cpu_kernel(block_size: int) -> None:
+    """The same steps with the decodes on the C kernel and the chunks grouped in torch."""
+    _run_steps(4, block_size, pad_tokens=64, group_bytes=4 << 20, backend="cpu")
 
 
 @pytest.mark.parametrize(("pad_tokens", "group_bytes"), [(0, 1), (10_000, 1 << 30), (32, 64 << 10)])
@@ -132,26 +147,53 @@ def test_ragged_steps_match_dense_attention_cuda() -> None:
     _run_steps(1, 16, pad_tokens=64, group_bytes=4 << 20, device="cuda")
 
 
-CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+def _cache(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros((4, LAYERS, 2, 16, KV_HEADS, DIM), dtype=dtype)
+
+
+CUDA_CACHE: Any = SimpleNamespace(device=torch.device("cuda"))  # all resolve_backend reads of a CUDA cache
 
 
 def test_backend_choice_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: torch on the CPU (triton never imported there); triton on the CPU only interpreted."""
-    assert resolve_backend("auto", CPU) == "torch"
-    assert resolve_backend("torch", CUDA) == "torch"
+    """auto: the C kernel on the CPU (torch where it cannot build), triton on CUDA when it
+    imports; triton on the CPU only interpreted; cpu only on the CPU."""
+    cpu, cuda = _cache(), CUDA_CACHE
+    assert resolve_backend("auto", cpu, HEADS) == "cpu"
+    assert resolve_backend("cpu", cpu, HEADS) == "cpu"
+    assert resolve_backend("torch", cuda, HEADS) == "torch"
+    with pytest.raises(ValueError, match="runs on the CPU, not cuda"):
+        resolve_backend("cpu", cuda, HEADS)
     monkeypatch.setattr(attention, "_triton_imports", lambda: True)
-    assert resolve_backend("auto", CUDA) == "triton"
+    assert resolve_backend("auto", cuda, HEADS) == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        resolve_backend("triton", CPU)
+        resolve_backend("triton", cpu, HEADS)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_backend("triton", CPU) == "triton"
-    with pytest.raises(ValueError, match="not mps"):
-        resolve_backend("triton", torch.device("mps"))
+    assert resolve_backend("triton", cpu, HEADS) == "triton"
     monkeypatch.setattr(attention, "_triton_imports", lambda: False)
-    assert resolve_backend("auto", CUDA) == "torch"
+    assert resolve_backend("auto", cuda, HEADS) == "torch"
     with pytest.raises(ValueError, match="triton is not installed"):
-        resolve_backend("triton", CUDA)
+        resolve_backend("triton", cuda, HEADS)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        resolve_backend("flash", cpu, HEADS)
+
+
+def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fp16 = _cache(torch.float16)
+    with caplog.at_level("WARNING"):
+        assert resolve_backend("auto", fp16, HEADS) == "torch"
+    assert "float32 or bfloat16 KV cache, not torch.float16" in caplog.text
+    with pytest.raises(ValueError, match=r"--attention-backend cpu: .*not torch.float16"):
+        resolve_backend("cpu", fp16, HEADS)
+    with pytest.raises(ValueError, match="query heads per KV head up to 32, not 64"):
+        resolve_backend("cpu", _cache(), 64 * KV_HEADS)
+    odd = torch.zeros((4, 1, 2, 16, 1, 24))
+    with pytest.raises(ValueError, match="head_dim that is a multiple of 16, not 24"):
+        resolve_backend("cpu", odd, 1)
+    monkeypatch.setattr(attention, "_cpu_kernel_problem", lambda *_: "no C compiler")
+    assert resolve_backend("auto", _cache(), HEADS) == "torch"
 
 
 def test_engine_imports_without_triton(tmp_path) -> None:
@@ -159,8 +201,8 @@ def test_engine_imports_without_triton(tmp_path) -> None:
         "import sys; sys.modules['triton'] = None\n"  # `import triton` raises ImportError
         "import torch\n"
         "from superinfer.engine import cli, engine, server\n"
-        "from superinfer.engine.worker.attention import resolve_backend\n"
-        "assert resolve_backend('auto', torch.device('cuda')) == 'torch'\n"
+        "from superinfer.engine.worker import attention\n"
+        "assert not attention._triton_imports()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # not the root: its operator/
 

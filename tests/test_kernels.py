@@ -225,9 +225,10 @@ def test_token_slots() -> None:
 
 
 def test_backend_choice() -> None:
-    assert attention_backend("triton", DEVICE)[0] == "triton"
-    assert attention_backend("torch", DEVICE)[0] == "torch"
-    assert attention_backend("auto", DEVICE)[0] == ("triton" if GPU else "torch")
+    cache = torch.zeros((2, 1, 2, 16, 2, 64), device=DEVICE)
+    assert attention_backend("triton", cache, 4)[0] == "triton"
+    assert attention_backend("torch", cache, 4)[0] == "torch"
+    assert attention_backend("auto", cache, 4)[0] == ("triton" if GPU else "cpu")
 
 
 def _greedy(backend: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import subprocess
 import sys
 import time
@@ -253,20 +252,29 @@ def test_superinfer_serves_a_tiny_load_as_a_subprocess_and_is_stopped(tmp_path: 
 
 
 def test_cpu_seconds_count_the_children():
+    """A parent of its own (not pytest, whose other children come and go) with one busy child:
+    the parent's total beyond its own CPU time is the child's."""
     busy = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nsys.stdin.read()"
-    child = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE)
+    spawn = (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {busy!r}], stdin=sys.stdin)\n"
+        "print(child.pid, flush=True)\n"
+        "child.wait()"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", spawn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        child_pid = int(parent.stdout.readline())
         deadline = time.monotonic() + 30
         while True:
-            own, total = server_process.cpu_seconds(os.getpid())
-            if total - own >= 0.25:
+            own, total = server_process.cpu_seconds(parent.pid)
+            if total - own >= 0.3:  # the child is done spinning: idle on its stdin
                 break
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert server_process.cpu_seconds(child.pid)[0] == pytest.approx(total - own, abs=0.05)
+        assert server_process.cpu_seconds(child_pid)[0] == pytest.approx(total - own, abs=0.02)
     finally:
-        child.stdin.close()
-        child.wait()
+        parent.stdin.close()
+        parent.wait()
 
 
 def test_a_server_that_exits_fails_fast_with_its_log(tmp_path: Path):

@@ -14,13 +14,15 @@ whatever the number of sequences:
     a mask: a padded query row or key never reaches a real one;
   * a chunk that continues a prompt attends to everything before it too: a group of its own, with
     an explicit causal mask.
-The Triton kernels (superinfer.kernels, wired in triton_attention.py) run instead on CUDA; this
-stays their reference. `attention_backend` picks one of the two for `--attention-backend`.
+The Triton kernels (superinfer.kernels, wired in triton_attention.py) run instead on CUDA, and
+on the CPU the C kernel (cpu_attention.py) attends the decodes in place; this stays their
+reference. `attention_backend` picks one for `--attention-backend`.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from superinfer.engine.worker.host_memory import host_tensor
+
+log = logging.getLogger(__name__)
 
 # Padding (in keys, or in queries for first chunks) a sequence may carry to share a group: what a
 # group costs in fixed overhead on a CPU is about the time of this many keys per sequence.
@@ -115,8 +119,10 @@ def plan_attention(
     kv_cache: torch.Tensor,
     pad_tokens: int = PAD_TOKENS,
     group_bytes: int = GROUP_BYTES,
+    with_decodes: bool = True,
 ) -> AttentionMetadata:
-    """The step's slot indices and attention groups for `kv_cache`, built once for all layers."""
+    """The step's slot indices and attention groups for `kv_cache`, built once for all layers.
+    Without `with_decodes` the decodes get their slots but no group (another kernel attends them)."""
     _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
     builder = _GroupBuilder(block_size, kv_cache.dtype, kv_cache.device)
     max_tokens = max(1, group_bytes // (2 * kv_heads * head_dim * kv_cache.element_size()))
@@ -124,7 +130,7 @@ def plan_attention(
     for s in spans:
         for pos in range(s.context - s.num_tokens, s.context):
             slots.append(s.block_ids[pos // block_size] * (num_layers * 2 * block_size) + pos % block_size)
-    decodes = [s for s in spans if s.num_tokens == 1]
+    decodes = [s for s in spans if s.num_tokens == 1] if with_decodes else []
     firsts = [s for s in spans if s.num_tokens > 1 and s.num_tokens == s.context]
     continued = [s for s in spans if 1 < s.num_tokens < s.context]
     groups = [builder.decodes(run) for run in _split(decodes, lambda s: s.context, pad_tokens, max_tokens)]
@@ -212,7 +218,7 @@ class PagedAttention:
         self.slots.index_copy_(0, k_slots, k.to(self.slots.dtype))
         self.slots.index_copy_(0, k_slots + self.block_size, v.to(self.slots.dtype))
         keys, values = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [blocks, block_size, H, D]
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for g in self.meta.groups:
             out[g.out_rows] = self._attend(g, q, keys, values)
         return out
@@ -248,15 +254,42 @@ def _triton_imports() -> bool:
     return True
 
 
-def resolve_backend(choice: str, device: torch.device) -> Literal["torch", "triton"]:
-    """`auto`: Triton on CUDA when triton imports, else torch. `triton` on the CPU runs the kernels
-    in Triton's interpreter (slow: for tests), so it needs TRITON_INTERPRET=1."""
+def _cpu_kernel_problem(kv_cache: torch.Tensor, q_heads: int) -> str | None:
+    """Why the CPU kernel cannot serve this cache here (no compiler, a failed build, a shape or
+    dtype it does not take), or None when it can."""
+    from superinfer.engine.worker.cpu_attention import kernel_library
+    from superinfer.kernels.cpu_paged_attention import KernelBuildError, check_shapes
+
+    try:
+        check_shapes(kernel_library(), kv_cache, q_heads)
+    except (KernelBuildError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def resolve_backend(choice: str, kv_cache: torch.Tensor, q_heads: int) -> Literal["torch", "triton", "cpu"]:
+    """`auto`: Triton on CUDA when triton imports, else torch; on the CPU the C kernel when it
+    builds and takes this cache, else torch. `triton` on the CPU runs the kernels in Triton's
+    interpreter (slow: for tests), so it needs TRITON_INTERPRET=1."""
+    device = kv_cache.device
     if choice == "torch":
         return "torch"
+    if choice == "auto" and device.type == "cpu":
+        problem = _cpu_kernel_problem(kv_cache, q_heads)
+        if problem is not None:
+            log.warning("attention: the CPU kernel is not used (%s); the torch backend runs instead", problem)
+        return "torch" if problem else "cpu"
     if choice == "auto":
         return "triton" if device.type == "cuda" and _triton_imports() else "torch"
+    if choice == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU, not {device.type}")
+        problem = _cpu_kernel_problem(kv_cache, q_heads)
+        if problem is not None:
+            raise ValueError(f"--attention-backend cpu: {problem}")
+        return "cpu"
     if choice != "triton":
-        raise ValueError(f"unknown attention backend {choice!r}; choose auto, torch or triton")
+        raise ValueError(f"unknown attention backend {choice!r}; choose auto, torch, cpu or triton")
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"--attention-backend triton runs on CUDA (or the CPU, interpreted), not {device.type}")
     if not _triton_imports():
@@ -268,14 +301,19 @@ def resolve_backend(choice: str, device: torch.device) -> Literal["torch", "trit
     return "triton"
 
 
-def attention_backend(choice: str, device: torch.device) -> tuple[str, StepAttention]:
-    """The backend `choice` resolves to on `device`: its name and its per-step attention."""
-    name = resolve_backend(choice, device)
+def attention_backend(choice: str, kv_cache: torch.Tensor, q_heads: int) -> tuple[str, StepAttention]:
+    """The backend `choice` resolves to for `kv_cache` and `q_heads` query heads (this rank's):
+    its name and its per-step attention."""
+    name = resolve_backend(choice, kv_cache, q_heads)
     if name == "torch":
         return name, torch_attention
+    if name == "cpu":
+        from superinfer.engine.worker.cpu_attention import CpuPagedAttention
+
+        return name, CpuPagedAttention
     from superinfer.engine.worker.triton_attention import TritonPagedAttention
     from superinfer.kernels.common import INTERPRETED
 
-    if device.type == "cpu" and not INTERPRETED:
+    if kv_cache.device.type == "cpu" and not INTERPRETED:
         raise ValueError("the Triton kernels were imported before TRITON_INTERPRET=1 was set: set it at startup")
     return name, TritonPagedAttention

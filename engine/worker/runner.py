@@ -148,7 +148,7 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
         attention: str = "auto",
     ) -> None:
-        """`attention`: the attention backend, auto, torch or triton (see attention.attention_backend)."""
+        """`attention`: the attention backend, auto, torch, cpu or triton (see attention.attention_backend)."""
         self.model = model
         self.tp = model.tp
         self.kv_cache = kv_cache
@@ -158,7 +158,8 @@ class ModelRunner:
         self.duplex = DuplexKV(kv_cache, cpu_cache, streams, duplex)
         self.block_size = block_size
         self.scale = scale
-        self.attention_backend, self.attention = attention_backend(attention, self.device)
+        q_heads = model.model.layers[0].self_attn.num_heads  # this rank's
+        self.attention_backend, self.attention = attention_backend(attention, kv_cache, q_heads)
         if self.attention_backend == "triton" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Triton launches on the current device's current stream
         self.generators: dict[str, torch.Generator] = {}
