@@ -125,13 +125,14 @@ static inline vfloat vexp_nonpositive(vfloat x) {
    sequence and KV head: vector r sees keys 0..last[r]. `dim` and `bf16` are constants where
    attend_tile is inlined, so the inner loops unroll. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float *const *q, float *const *out, const int *last, int m, const void *cache, const int bf16,
-    int64_t block_stride, int64_t v_offset, int64_t slot_stride, int64_t head_offset, const int32_t *table,
-    const int dim, int block_size, float scale) {
+    const float *const *q, float *const *out, const int *last, const int *head, int m, const void *cache,
+    const int bf16, int64_t block_stride, int64_t v_offset, int64_t slot_stride, int64_t heads_offset, int heads,
+    const int32_t *table, const int dim, int block_size, float scale) {
     float acc[MAX_TILE][MAX_DIM];
     float scores[MAX_TILE][MAX_BLOCK];
     float row_max[MAX_TILE], row_sum[MAX_TILE], block_max[MAX_TILE];
-    float kbuf[MAX_DIM], vbuf[MAX_DIM];
+    float kbuf[MAX_TILE * MAX_DIM], vbuf[MAX_TILE * MAX_DIM];
+    const int row_elems = heads * dim; /* the tile's KV heads of one slot: contiguous */
     int num_keys = 0;
     for (int r = 0; r < m; ++r) {
         row_max[r] = -FLT_MAX;
@@ -141,22 +142,22 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int start = 0, b = 0; start < num_keys; start += block_size, ++b) {
         const int n = num_keys - start < block_size ? num_keys - start : block_size;
-        const int64_t k_base = (int64_t)table[b] * block_stride + head_offset;
+        const int64_t k_base = (int64_t)table[b] * block_stride + heads_offset;
         const int64_t v_base = k_base + v_offset;
         if (start + block_size < num_keys) {
             const int next = num_keys - start - block_size < block_size ? num_keys - start - block_size : block_size;
-            prefetch_block(cache, (int64_t)table[b + 1] * block_stride + head_offset, v_offset, slot_stride, next,
-                           dim * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+            prefetch_block(cache, (int64_t)table[b + 1] * block_stride + heads_offset, v_offset, slot_stride, next,
+                           row_elems * (bf16 ? 2 : 4), bf16 ? 2 : 4);
         }
         for (int r = 0; r < m; ++r) block_max[r] = -FLT_MAX;
         for (int j = 0; j < n; ++j) {
-            const float *key = row_at(cache, k_base + j * slot_stride, kbuf, dim, bf16);
+            const float *keys = row_at(cache, k_base + j * slot_stride, kbuf, row_elems, bf16);
             for (int r = 0; r < m; ++r) {
                 if (start + j > last[r]) {
                     scores[r][j] = -FLT_MAX;
                     continue;
                 }
-                const float s = dot(q[r], key, dim) * scale;
+                const float s = dot(q[r], keys + head[r] * dim, dim) * scale;
                 scores[r][j] = s;
                 if (s > block_max[r]) block_max[r] = s;
             }
@@ -181,9 +182,10 @@ static inline __attribute__((always_inline)) void attend_tile(
             row_max[r] = new_max;
         }
         for (int j = 0; j < n; ++j) {
-            const float *value = row_at(cache, v_base + j * slot_stride, vbuf, dim, bf16);
+            const float *values = row_at(cache, v_base + j * slot_stride, vbuf, row_elems, bf16);
             for (int r = 0; r < m; ++r) {
                 const float p = scores[r][j];
+                const float *value = values + head[r] * dim;
                 float *a = acc[r];
 #pragma omp simd
                 for (int d = 0; d < dim; ++d) a[d] += p * value[d];
@@ -204,41 +206,44 @@ int max_dim(void) { return MAX_DIM; }
 int max_block(void) { return MAX_BLOCK; }
 int lanes(void) { return LANES; }
 
-#define ATTEND(DIM, BF16) \
-    attend_tile(qs, outs, last, m, cache, BF16, block_stride, v_offset, slot_stride, head_offset, table, DIM, \
-                block_size, scale)
+#define ATTEND(DIM, BF16)                                                                                   \
+    attend_tile(qs, outs, last, head, m, cache, BF16, block_stride, v_offset, slot_stride, (int64_t)h0 * dim, \
+                heads, table, DIM, block_size, scale)
 
 /* q, out: [tokens, q_heads, dim] fp32, contiguous. cache: the layer's first element (block 0,
    K); blocks `block_stride` elements apart, V `v_offset` after K, slots `slot_stride` apart,
    KV heads `dim` apart. spans: [num_spans][4] = first row, rows, context length (keys seen by the
-   last row), offset of the block table in `tables`. A work item is one span, one KV head and a
-   tile of its rows (as many as MAX_TILE query vectors hold), so each K and V row loaded serves
-   every query head of the KV head and every row of the tile. */
+   last row), offset of the block table in `tables`. A work item is one span and a group of its
+   KV heads (all of them when their query heads fit a tile), taken a tile of rows at a time: each
+   slot's K and V rows of those heads are one contiguous read serving every query vector. */
 void paged_attention(const float *q, float *out, const void *cache, int bf16, int64_t block_stride,
                      int64_t v_offset, int64_t slot_stride, const int32_t *tables, const int32_t *spans,
                      int num_spans, int q_heads, int kv_heads, int dim, int block_size, float scale,
                      int num_threads) {
-    const int group = q_heads / kv_heads;
-    const int tile_rows = MAX_TILE / group; /* >= 1: the caller checks group <= max_group() */
-    const int64_t items = (int64_t)num_spans * kv_heads;
+    const int group = q_heads / kv_heads; /* <= MAX_TILE: the caller checks */
+    const int tile_heads = MAX_TILE / group < kv_heads ? MAX_TILE / group : kv_heads;
+    const int tile_rows = MAX_TILE / (group * tile_heads);
+    const int head_groups = (kv_heads + tile_heads - 1) / tile_heads;
+    const int64_t items = (int64_t)num_spans * head_groups;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t item = 0; item < items; ++item) {
-        const int32_t *span = spans + (item / kv_heads) * 4;
-        const int head = (int)(item % kv_heads);
+        const int32_t *span = spans + (item / head_groups) * 4;
+        const int h0 = (int)(item % head_groups) * tile_heads;
+        const int heads = kv_heads - h0 < tile_heads ? kv_heads - h0 : tile_heads;
         const int row = span[0], rows = span[1], context = span[2];
         const int32_t *table = tables + span[3];
-        const int64_t head_offset = (int64_t)head * dim;
         for (int i0 = 0; i0 < rows; i0 += tile_rows) {
             const float *qs[MAX_TILE];
             float *outs[MAX_TILE];
-            int last[MAX_TILE];
+            int last[MAX_TILE], head[MAX_TILE];
             int m = 0;
             for (int i = i0; i < rows && i < i0 + tile_rows; ++i) {
-                for (int g = 0; g < group; ++g, ++m) {
-                    const int64_t at = ((int64_t)(row + i) * q_heads + (int64_t)head * group + g) * dim;
+                for (int qh = h0 * group; qh < (h0 + heads) * group; ++qh, ++m) {
+                    const int64_t at = ((int64_t)(row + i) * q_heads + qh) * dim;
                     qs[m] = q + at;
                     outs[m] = out + at;
                     last[m] = context - rows + i;
+                    head[m] = qh / group - h0;
                 }
             }
             if (dim == 64 && !bf16) ATTEND(64, 0);
