@@ -8,10 +8,12 @@ hashed, so two checkouts can be checked token for token on the same plan.
 
     python -m bench.ragged                                  # this checkout, every case
     python -m bench.ragged --against /path/to/old/checkout  # old and new back to back, interleaved
+    python -m bench.ragged --backends torch,cpu             # two attention backends, interleaved
 
 `--against` runs the same cases in that checkout (its own `.venv`; this file is copied into its
 `bench/` when missing) and in this one, alternating, each run in a fresh process, and records both
-with the speedup. Cases: `tiny` (hidden 256, 4 layers, block 16 and 32) and `llama-3.2-1b` with its
+with the speedup; `--backends A,B` does the same with two attention backends of this checkout
+(the speedup is A's time over B's). Cases: `tiny` (hidden 256, 4 layers, block 16 and 32) and `llama-3.2-1b` with its
 layers cut to a few (dummy weights), both float32.
 """
 
@@ -82,7 +84,7 @@ def build_plan(mix: Mix, block_size: int, num_blocks: int, vocab: int, seed: int
     return StepPlan(step_id=1, seqs=seqs)
 
 
-def run_case(case: str, threads: int, steps: int, mix: Mix) -> dict:
+def run_case(case: str, threads: int, steps: int, mix: Mix, backend: str | None = None) -> dict:
     """Time `steps` executions of the case's plan in this process; returns the figures."""
     import torch
 
@@ -105,6 +107,7 @@ def run_case(case: str, threads: int, steps: int, mix: Mix) -> dict:
                 num_gpu_blocks=2 * need,
                 num_cpu_blocks=0,
                 max_model_len=1024,
+                **({"attention_backend": backend} if backend else {}),
             )
         )
     runner = core.runner
@@ -130,13 +133,16 @@ def run_case(case: str, threads: int, steps: int, mix: Mix) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
-    print(json.dumps(run_case(args.case, args.threads, args.steps, Mix(args.decodes, args.prefills))))
+    mix = Mix(args.decodes, args.prefills)
+    print(json.dumps(run_case(args.case, args.threads, args.steps, mix, args.attention_backend)))
 
 
-def _spawn(checkout: Path, case: str, threads: int, args: argparse.Namespace) -> dict:
+def _spawn(checkout: Path, backend: str | None, case: str, threads: int, args: argparse.Namespace) -> dict:
     python = checkout / ".venv" / "bin" / "python"
     cmd = [str(python), "-m", "bench.ragged", "--child", "--case", case, "--threads", str(threads)]
     cmd += ["--steps", str(args.steps), "--decodes", str(args.decodes), "--prefills", str(args.prefills)]
+    if backend:
+        cmd += ["--attention-backend", backend]
     out = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} in {checkout} failed:\n{out.stderr[-3000:]}")
@@ -152,7 +158,10 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, default=Mix.decodes)
     parser.add_argument("--prefills", type=int, default=Mix.prefills)
     parser.add_argument("--against", type=Path, default=None, help="an older checkout with its own .venv")
+    parser.add_argument("--backends", default=None, help="A,B: two attention backends of this checkout")
+    parser.add_argument("--tag", default="", help="names the results file (bench/results/ragged-TAG-...)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--attention-backend", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -161,19 +170,23 @@ def main() -> None:
         return
 
     here = Path(__file__).resolve().parent.parent
-    checkouts = {"new": here}
+    # label -> (checkout, attention backend or None for its default); a pair is compared first / last
+    contenders: dict[str, tuple[Path, str | None]] = {"new": (here, None)}
     if args.against is not None:
         target = args.against.resolve() / "bench" / "ragged.py"
         if not target.exists():
             shutil.copy(__file__, target)
-        checkouts = {"old": args.against.resolve(), "new": here}
+        contenders = {"old": (args.against.resolve(), None), "new": (here, None)}
+    elif args.backends:
+        contenders = {b: (here, b) for b in args.backends.split(",")}
+    labels = list(contenders)
     figures: dict[str, float | str] = {}
     for case in args.cases.split(","):
         for threads in (int(t) for t in args.threads.split(",")):
-            runs: dict[str, list[dict]] = {k: [] for k in checkouts}
+            runs: dict[str, list[dict]] = {k: [] for k in contenders}
             for _ in range(args.rounds):
-                for label, checkout in checkouts.items():
-                    runs[label].append(_spawn(checkout, case, threads, args))
+                for label, (checkout, backend) in contenders.items():
+                    runs[label].append(_spawn(checkout, backend, case, threads, args))
             for label, got in runs.items():
                 key = f"{case}_t{threads}" + ("" if label == "new" else f"_{label}")
                 figures[f"{key}_step_ms"] = statistics.median(r["step_ms"] for r in got)
@@ -181,10 +194,11 @@ def main() -> None:
             line = f"{case:16s} threads {threads}: " + "  ".join(
                 f"{label} {statistics.median(r['step_ms'] for r in got):8.2f} ms" for label, got in runs.items()
             )
-            if "old" in runs:
+            if len(labels) == 2:
                 key = f"{case}_t{threads}"
-                figures[f"{key}_speedup"] = figures[f"{key}_old_step_ms"] / figures[f"{key}_step_ms"]
-                same = runs["old"][0]["tokens_sha"] == runs["new"][0]["tokens_sha"]
+                first, last = (key + ("" if label == "new" else f"_{label}") for label in labels)
+                figures[f"{key}_speedup"] = figures[f"{first}_step_ms"] / figures[f"{last}_step_ms"]
+                same = runs[labels[0]][0]["tokens_sha"] == runs[labels[1]][0]["tokens_sha"]
                 figures[f"{key}_tokens_identical"] = same
                 line += f"  speedup {figures[f'{key}_speedup']:.2f}x  tokens identical: {same}"
             print(line + f"  ({got[0]['tokens']} tokens/step)", flush=True)
@@ -202,8 +216,9 @@ def main() -> None:
         },
         "cases": {k: SPEC[k] for k in args.cases.split(",")},
         "against": str(args.against) if args.against else None,
+        "backends": args.backends,
     }
-    print(f"wrote {write_result('ragged', 'cpu', figures, goal, extra)}")
+    print(f"wrote {write_result('ragged', 'cpu', figures, goal, extra, tag=args.tag)}")
 
 
 if __name__ == "__main__":

@@ -43,9 +43,10 @@ class EngineConfig(BaseModel):
         "shared by the tensor-parallel ranks)",
     )
     engine_process: bool = Field(
-        False,
+        True,
         description="run the engine core (scheduler, model step, sampling; rank 0 with -tp) in a process of its own, "
-        "the server's process keeping HTTP, tokenization, detokenization and stop strings",
+        "the server's process keeping HTTP, tokenization, detokenization and stop strings (--no-engine-process: "
+        "in a thread of the server's process)",
     )
     tensor_parallel_size: int = Field(
         1,

@@ -28,7 +28,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
 async def server(request):
-    """The tiny model behind the HTTP server, with synchronous and with async scheduling."""
+    """The tiny model behind the HTTP server, with synchronous and with async scheduling. The
+    engine runs on a thread here, so tests can look at its scheduler and metrics; the engine
+    process (the default) is served and tested in test_engine_process.py."""
     from superinfer.engine.config import EngineConfig
     from superinfer.engine.server import start_server
 
@@ -42,6 +44,7 @@ async def server(request):
             num_gpu_blocks=64,
             max_request_bytes=64 * 1024,
             async_scheduling=request.param,
+            engine_process=False,
         )
     )
     yield running

@@ -8,10 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.policies import RotaryParams, RotaryPolicy, WatermarkPolicy, virtual_lag_time
 from superinfer.engine.core.request import Request, RequestStatus, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
+from superinfer.engine.engine import EngineCore
 from superinfer.engine.slo import SLO
 from tests.test_core import add_if_it_fits, make_request
 from tests.test_engine import engine, random_prompts, run
@@ -54,12 +56,26 @@ def unpressured() -> dict[str, list[int]]:
     return run(engine("tiny", max_model_len=256), PROMPTS, SAMPLING)
 
 
+class TickingClock:
+    """Advances a fixed step at every reading: the policy's decisions depend on the number of
+    readings only, not on how fast this machine runs the model."""
+
+    def __init__(self, tick_s: float) -> None:
+        self.now, self.tick_s = 0.0, tick_s
+
+    def __call__(self) -> float:
+        self.now += self.tick_s
+        return self.now
+
+
 @pytest.mark.parametrize("policy", ["rotary", "watermark"])
 def test_greedy_outputs_identical_with_frequent_rotation(policy, unpressured):
     # 20 blocks of 16 tokens cannot hold 10 requests of up to 80 tokens: with no minimum residency
-    # and no admission control (both depend on this machine's step times) rotation is constant.
-    rotating = engine(
-        "tiny",
+    # and no admission control rotation is constant; on a ticking clock, as often on every machine.
+    config = EngineConfig(
+        model="tiny",
+        device="cpu",
+        dtype="float32",
         max_model_len=256,
         policy=policy,
         num_gpu_blocks=20,
@@ -68,6 +84,7 @@ def test_greedy_outputs_identical_with_frequent_rotation(policy, unpressured):
         rotary_min_residency_ms=0,
         slo_admission=False,
     )
+    rotating = EngineCore(config, clock=TickingClock(0.01))
     assert run(rotating, PROMPTS, SAMPLING) == unpressured
     assert rotating.scheduler.counters.rotations > 5
     kv = rotating.kv

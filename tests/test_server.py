@@ -211,7 +211,14 @@ async def test_client_disconnect_mid_stream_frees_blocks(server):
 
 async def test_api_key():
     running = await start_server(
-        EngineConfig(model="tiny", device="cpu", port=0, api_key="s3cret", num_gpu_blocks=32, max_model_len=128)
+        EngineConfig(
+            model="tiny",
+            device="cpu",
+            port=0,
+            api_key="s3cret",
+            num_gpu_blocks=32,
+            max_model_len=128,
+        )
     )
     try:
         async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="wrong", max_retries=0) as bad:
@@ -284,6 +291,7 @@ async def until(condition, timeout: float = 10.0) -> None:
 async def test_queue_bound_answers_503_with_retry_after():
     running = await start_server(
         EngineConfig(
+            engine_process=False,  # the tests read the engine core's state
             model="tiny",
             device="cpu",
             port=0,
@@ -341,6 +349,7 @@ async def test_exported_metrics_are_exactly_the_contract():
 
     running = await start_server(
         EngineConfig(
+            engine_process=False,  # the tests read the engine core's state
             model="tiny",
             device="cpu",
             port=0,

@@ -82,6 +82,7 @@ def test_serve_refuses_bad_classes_at_startup(capsys):
 async def server():
     running = await start_server(
         EngineConfig(
+            engine_process=False,  # the tests read the engine core's state
             model="tiny",
             served_model_name=MODEL,
             device="cpu",
@@ -220,7 +221,15 @@ async def test_metrics_are_labelled_by_class(server):
 
 async def test_builtin_class_buckets_include_every_threshold():
     running = await start_server(
-        EngineConfig(model="tiny", device="cpu", port=0, max_model_len=128, num_gpu_blocks=32, ttft_slo_ms=1234)
+        EngineConfig(
+            engine_process=False,  # the tests read the engine core's state
+            model="tiny",
+            device="cpu",
+            port=0,
+            max_model_len=128,
+            num_gpu_blocks=32,
+            ttft_slo_ms=1234,
+        )
     )
     try:
         assert (await post_to(running, "tiny", {"prompt": "x", "max_tokens": 3, "ignore_eos": True}))[0] == 200

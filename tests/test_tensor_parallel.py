@@ -237,6 +237,7 @@ def test_serve_answers_503_and_exits_non_zero_when_a_worker_is_killed_mid_reques
     exe = str(Path(sys.executable).parent / "superinfer")
     argv = [exe, "serve", "--model", "tiny", "--device", "cpu", "--port", str(port), "-tp", "2"]
     argv += ["--num-gpu-blocks", "300", "--max-model-len", "4096", "--torch-threads", "1"]
+    argv += ["--no-engine-process"]  # the worker is then the server's own child (the engine process: its tests)
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_ready(url, proc, timeout=TIMEOUT_S)
