@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
 from rich.console import Console
 from rich.table import Table
 
 from superinfer.bench.goodput import RequestTiming, summarize
 from superinfer.bench.loadgen import LoadRequest, run_load
+from superinfer.bench.vllm_peer import counters
 from superinfer.bench.workload import WorkItem, burst_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.server import start_server
@@ -41,9 +43,10 @@ async def run_policy(config: EngineConfig, items: list[WorkItem]) -> tuple[dict[
         load = [LoadRequest(p, it.output_len, it.slo, it.arrival_s) for p, it in zip(prompts, items, strict=True)]
         timings, duration = await run_load(running.url, config.model_name, load)
         report = summarize(timings, duration)
-        report["rotations"] = core.scheduler.counters.rotations
+        async with aiohttp.ClientSession() as http:  # the engine may run in another process: ask /metrics
+            rotations, report["recomputes"] = await counters(http, running.url, vllm=False)
+        report["rotations"] = rotations or 0.0
         report["rotations_per_request"] = report["rotations"] / max(1.0, report["requests"])
-        report["recomputes"] = core.scheduler.counters.preemptions["recompute"]
         return report, timings
     finally:
         await running.close()
