@@ -32,21 +32,6 @@ static inline __attribute__((always_inline)) const float *row_at(const void *cac
     return buf;
 }
 
-/* Asks for a block's K and V rows of one head ahead of use: blocks lie anywhere in the cache,
-   so the hardware prefetcher cannot see the next one coming, and without this the loop waits on
-   memory at every block. */
-static inline void prefetch_block(const void *cache, int64_t k_base, int64_t v_offset, int64_t slot_stride, int n,
-                                  int row_bytes, int elem_bytes) {
-    const char *base = (const char *)cache;
-    for (int j = 0; j < n; ++j) {
-        const char *k = base + (k_base + j * slot_stride) * elem_bytes;
-        for (int at = 0; at < row_bytes; at += 64) {
-            __builtin_prefetch(k + at);
-            __builtin_prefetch(k + v_offset * elem_bytes + at);
-        }
-    }
-}
-
 /* e^x for x <= 0 (a score minus the running maximum), to float precision: x = (n + f) ln 2 with
    n an integer and |f| <= 1/2, 2^n built in the exponent bits, e^(f ln 2) by its Taylor series to
    the 7th term (truncation error below 2e-7 relative). Unlike libm's expf it vectorizes. */
@@ -144,13 +129,17 @@ static inline __attribute__((always_inline)) void attend_tile(
         const int n = num_keys - start < block_size ? num_keys - start : block_size;
         const int64_t k_base = (int64_t)table[b] * block_stride + heads_offset;
         const int64_t v_base = k_base + v_offset;
-        if (start + block_size < num_keys) {
-            const int next = num_keys - start - block_size < block_size ? num_keys - start - block_size : block_size;
-            prefetch_block(cache, (int64_t)table[b + 1] * block_stride + heads_offset, v_offset, slot_stride, next,
-                           row_elems * (bf16 ? 2 : 4), bf16 ? 2 : 4);
-        }
+        /* The next block's rows are asked for slot by slot as this block's are read (blocks lie
+           anywhere: the hardware prefetcher cannot see the next one coming; asking for a whole
+           block at once overflows the core's miss queue, and most of it is dropped). */
+        const int elem = bf16 ? 2 : 4;
+        const char *next_k = start + block_size < num_keys
+                                 ? (const char *)cache + ((int64_t)table[b + 1] * block_stride + heads_offset) * elem
+                                 : NULL;
         for (int r = 0; r < m; ++r) block_max[r] = -FLT_MAX;
         for (int j = 0; j < n; ++j) {
+            if (next_k)
+                for (int at = 0; at < row_elems * elem; at += 64) __builtin_prefetch(next_k + j * slot_stride * elem + at);
             const float *keys = row_at(cache, k_base + j * slot_stride, kbuf, row_elems, bf16);
             for (int r = 0; r < m; ++r) {
                 if (start + j > last[r]) {
@@ -182,6 +171,9 @@ static inline __attribute__((always_inline)) void attend_tile(
             row_max[r] = new_max;
         }
         for (int j = 0; j < n; ++j) {
+            if (next_k)
+                for (int at = 0; at < row_elems * elem; at += 64)
+                    __builtin_prefetch(next_k + (v_offset + j * slot_stride) * elem + at);
             const float *values = row_at(cache, v_base + j * slot_stride, vbuf, row_elems, bf16);
             for (int r = 0; r < m; ++r) {
                 const float p = scores[r][j];
