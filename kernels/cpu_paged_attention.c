@@ -9,7 +9,6 @@
    Built by cpu_paged_attention.py with the system's C compiler for the machine it runs on. */
 
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -30,27 +29,6 @@ static inline __attribute__((always_inline)) const float *row_at(const void *cac
         buf[d] = f;
     }
     return buf;
-}
-
-/* e^x for x <= 0 (a score minus the running maximum), to float precision: x = (n + f) ln 2 with
-   n an integer and |f| <= 1/2, 2^n built in the exponent bits, e^(f ln 2) by its Taylor series to
-   the 7th term (truncation error below 2e-7 relative). Unlike libm's expf it vectorizes. */
-static inline float exp_nonpositive(float x) {
-    const float t = (x < -87.0f ? -87.0f : x) * 1.4426950408889634f;
-    const int n = (int)(t - 0.5f); /* t <= 0: truncation rounds to nearest */
-    const float y = (t - (float)n) * 0.6931471805599453f;
-    float p = 1.0f / 5040.0f;
-    p = p * y + 1.0f / 720.0f;
-    p = p * y + 1.0f / 120.0f;
-    p = p * y + 1.0f / 24.0f;
-    p = p * y + 1.0f / 6.0f;
-    p = p * y + 0.5f;
-    p = p * y + 1.0f;
-    p = p * y + 1.0f;
-    const uint32_t bits = (uint32_t)(n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* GCC/Clang vector extensions: 8 floats, lowered to whatever SIMD the target has (AVX2 or
@@ -87,11 +65,14 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 /* Lanes of `a` where `mask` is set (all ones), of `b` elsewhere. */
 static inline vfloat vselect(vint mask, vfloat a, vfloat b) { return (vfloat)(((vint)a & mask) | ((vint)b & ~mask)); }
 
-/* e^x lane by lane for x <= 0, as exp_nonpositive. */
+/* e^x lane by lane for x <= 0 (scores minus the running maximum), to float precision: x =
+   (n + f) ln 2 with n an integer and |f| <= 1/2, 2^n built in the exponent bits, e^(f ln 2) by its
+   Taylor series to the 7th term (truncation error below 2e-7 relative). libm's expf would not
+   vectorize. */
 static inline vfloat vexp_nonpositive(vfloat x) {
     const vfloat floor = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
     const vfloat t = vselect(x < floor, floor, x) * 1.4426950408889634f;
-    const vint n = __builtin_convertvector(t - 0.5f, vint);
+    const vint n = __builtin_convertvector(t - 0.5f, vint); /* t <= 0: truncation rounds to nearest */
     const vfloat y = (t - __builtin_convertvector(n, vfloat)) * 0.6931471805599453f;
     vfloat p = y * (1.0f / 5040.0f) + 1.0f / 720.0f;
     p = p * y + 1.0f / 120.0f;
@@ -106,8 +87,8 @@ static inline vfloat vexp_nonpositive(vfloat x) {
     return p * scale;
 }
 
-/* Attention of `m` query vectors (query rows x GQA heads, row-major, `dim` apart) of one
-   sequence and KV head: vector r sees keys 0..last[r]. `dim` and `bf16` are constants where
+/* Attention of `m` query vectors (query rows x query heads) of one sequence over `heads` KV heads
+   from `heads_offset`: vector r reads KV head head[r] of them and sees keys 0..last[r]. `dim` and `bf16` are constants where
    attend_tile is inlined, so the inner loops unroll. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *const *q, float *const *out, const int *last, const int *head, int m, const void *cache,
@@ -153,7 +134,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         for (int r = 0; r < m; ++r) {
             const float new_max = block_max[r] > row_max[r] ? block_max[r] : row_max[r];
-            const float rescale = exp_nonpositive(row_max[r] - new_max);
+            const float rescale = vexp_nonpositive((vfloat){0} + (row_max[r] - new_max))[0];
             const int visible = last[r] - start + 1; /* keys of this block row r sees */
             row_sum[r] *= rescale;
 #pragma omp simd
