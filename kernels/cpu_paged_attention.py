@@ -95,6 +95,8 @@ def load(cache_dir: Path) -> ctypes.CDLL:
 def check_shapes(lib: ctypes.CDLL, kv_cache: torch.Tensor, q_heads: int) -> None:
     """Raises ValueError when the kernel cannot serve this cache and head count."""
     _, _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if kv_cache.stride()[4:] != (head_dim, 1):
+        raise ValueError("the CPU attention kernel takes a cache whose KV heads and head dims are contiguous")
     if kv_cache.dtype not in CACHE_DTYPES:
         raise ValueError(f"the CPU attention kernel takes a float32 or bfloat16 KV cache, not {kv_cache.dtype}")
     limits = {
@@ -113,8 +115,8 @@ def check_shapes(lib: ctypes.CDLL, kv_cache: torch.Tensor, q_heads: int) -> None
 
 @dataclass(frozen=True)
 class SpanTable:
-    """A step's sequences for the kernel: [n, 4] (first row, rows, context, table offset) and the
-    concatenated block tables, both int32 and contiguous."""
+    """A step's sequences for the kernel: four int32 each (first row, rows, context length, offset of
+    its block table), and the block tables one after another."""
 
     spans: torch.Tensor
     tables: torch.Tensor
