@@ -75,9 +75,8 @@ def build(cache_dir: Path) -> Path:
 
 @functools.cache
 def load(cache_dir: Path) -> ctypes.CDLL:
-    """Builds (if needed) and loads the kernel; raises KernelBuildError with the reason."""
-    import torch  # noqa: F401  (torch's libgomp must be loaded first so that both share one runtime)
-
+    """Builds (if needed) and loads the kernel; raises KernelBuildError with the reason. torch,
+    imported above, has loaded its libgomp already, so the kernel's OpenMP uses that runtime."""
     try:
         lib = ctypes.CDLL(str(build(cache_dir)))
     except OSError as e:

@@ -20,7 +20,7 @@ from superinfer.engine.worker.attention import (
     plan_attention,
     resolve_backend,
 )
-from superinfer.engine.worker.cpu_attention import CpuPagedAttention
+from superinfer.engine.worker.cpu_attention import cpu_attention
 
 LAYERS, KV_HEADS, HEADS, DIM = 2, 2, 4, 16
 
@@ -78,7 +78,7 @@ def _run_steps(
         meta = plan_attention(spans, cache, pad_tokens, group_bytes)
         kinds |= {_kind(g) for g in meta.groups}
         if backend == "cpu":
-            attn = CpuPagedAttention(spans, cache, DIM**-0.5)
+            attn = cpu_attention()(spans, cache, DIM**-0.5)
             assert attn.meta.groups == [] or all(g.q_len > 1 for g in attn.meta.groups)
         else:
             attn = PagedAttention(cache, meta, DIM**-0.5)

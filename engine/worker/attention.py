@@ -308,9 +308,9 @@ def attention_backend(choice: str, kv_cache: torch.Tensor, q_heads: int) -> tupl
     if name == "torch":
         return name, torch_attention
     if name == "cpu":
-        from superinfer.engine.worker.cpu_attention import CpuPagedAttention
+        from superinfer.engine.worker.cpu_attention import cpu_attention
 
-        return name, CpuPagedAttention
+        return name, cpu_attention()
     from superinfer.engine.worker.triton_attention import TritonPagedAttention
     from superinfer.kernels.common import INTERPRETED
 

@@ -9,7 +9,8 @@ over many queries. One step's layers share the kernel's span table, built once.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,12 +24,17 @@ def kernel_library() -> ctypes.CDLL:
     return load(default_cache_root() / "kernels")
 
 
+def cpu_attention() -> Callable[[Sequence[SeqSpan], torch.Tensor, float], CpuPagedAttention]:
+    """The per-step attention with the kernel library resolved once."""
+    return functools.partial(CpuPagedAttention, lib=kernel_library())
+
+
 class CpuPagedAttention(PagedAttention):
     """The `Attention` callable the model runs for one step."""
 
-    def __init__(self, spans: Sequence[SeqSpan], kv_cache: torch.Tensor, scale: float) -> None:
+    def __init__(self, spans: Sequence[SeqSpan], kv_cache: torch.Tensor, scale: float, lib: ctypes.CDLL) -> None:
         super().__init__(kv_cache, plan_attention(spans, kv_cache, with_decodes=False), scale)
-        self.lib = kernel_library()
+        self.lib = lib
         decodes = [s for s in spans if s.num_tokens == 1]
         self.decodes = (
             SpanTable.build(
