@@ -1,12 +1,14 @@
 """sim fidelity: calibrate the simulator on the CPU engine, then predict that engine on the same trace.
 
 1. The real engine (tiny model, CPU, wall clock) serves a Poisson load; its own step-time model
-   (fixed + per token + per thousand context tokens, here fitted over every step of the run) and
-   its measured copy time per block become a calibration file.
-2. The simulator runs the same requests with that calibration, the same KV sizes and limits.
+   (fixed + per token + per thousand context tokens, here fitted over every step of the run), the
+   spread of the measured step times around that fit and its measured copy time per block become
+   a calibration file.
+2. The simulator runs the same requests with that calibration, the same KV sizes and limits,
+   with the spread and without it (the fit alone).
 3. p50/p90 TTFT and TBT, simulated against measured (goal: within 15%).
 
-    python -m bench.sim_fidelity [--rate 6 --duration 15 --policy rotary]
+    python -m bench.sim_fidelity [--rate 6 --duration 30 --policy rotary]
 """
 
 from __future__ import annotations
@@ -21,21 +23,36 @@ from superinfer.bench.record import write_result
 from superinfer.bench.replay import replay
 from superinfer.bench.workload import poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
-from superinfer.engine.core.step_time import StepTimeModel
+from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.slo import SLO
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.sim.config import SimConfig
+from superinfer.sim.cost import spread_quantiles
 from superinfer.sim.report import point_report
 from superinfer.sim.simulator import simulate
 
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms")
 
 
-def calibration(core: EngineCore, copies: list[CopyStats]) -> dict[str, float]:
-    base, per_token, per_kcontext = core.scheduler.step_time.coefficients()
-    out = {"base_s": base, "per_token_s": per_token, "per_kcontext_s": per_kcontext}
+class RecordedStepTimes(StepTimeModel):
+    """The engine's step-time model fitted over the whole run, keeping every step it saw."""
+
+    def __init__(self) -> None:
+        super().__init__(decay=1.0)
+        self.seen: list[tuple[StepShape, float]] = []
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        super().observe(shape, seconds)
+        self.seen.append((shape, seconds))
+
+
+def calibration(steps: RecordedStepTimes, copies: list[CopyStats]) -> dict:
+    base, per_token, per_kcontext = steps.coefficients()
+    ratios = [seconds / steps.predict(shape) for shape, seconds in steps.seen]
+    out: dict = {"base_s": base, "per_token_s": per_token, "per_kcontext_s": per_kcontext}
+    out["step_time_spread"] = spread_quantiles(ratios)
     for d in ("out", "in"):
         blocks = sum(getattr(c, f"blocks_{d}") for c in copies)
         seconds = sum(getattr(c, f"seconds_{d}") for c in copies)
@@ -46,7 +63,7 @@ def calibration(core: EngineCore, copies: list[CopyStats]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=6.0)
-    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--policy", default="rotary")
     parser.add_argument("--num-gpu-blocks", type=int, default=64)
     parser.add_argument("--num-cpu-blocks", type=int, default=2000)
@@ -65,33 +82,45 @@ def main() -> None:
     )
     limits = {"num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks, "max_model_len": 1024}
     core = EngineCore(EngineConfig(model="tiny", device="cpu", policy=args.policy, **limits))
-    core.scheduler.step_time = StepTimeModel(decay=1.0)  # fit over the whole run, not the recent steps
+    core.scheduler.step_time = steps = RecordedStepTimes()
     prompts = prompt_tokens(items, core.model_config.vocab_size, seed=args.seed)
     copies: list[CopyStats] = []
     timings, duration = replay(core, items, prompts, copy_stats=copies)
     measured = summarize(timings, duration)
-    cal = calibration(core, copies)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "calibration.json"
-        path.write_text(json.dumps(cal))
-        config = SimConfig(
-            model=str(ensure_tiny_model() / "config.json"),
-            policy=args.policy,
-            calibration=path,
-            duplex="serial",  # the CPU executor copies on its one lane
-            async_scheduling=core.async_scheduling,
-            host_s=0.0,  # the fit's fixed term includes the host's time per step
-            **limits,
-        )
-        predicted = point_report(simulate(config, items, seed=args.seed))
+    cal = calibration(steps, copies)
+
+    def predict(calibration: dict) -> dict[str, float]:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "calibration.json"
+            path.write_text(json.dumps(calibration))
+            config = SimConfig(
+                model=str(ensure_tiny_model() / "config.json"),
+                policy=args.policy,
+                calibration=path,
+                duplex="serial",  # the CPU executor copies on its one lane
+                async_scheduling=core.async_scheduling,
+                host_s=0.0,  # the fit's fixed term includes the host's time per step
+                **limits,
+            )
+            return point_report(simulate(config, items, seed=args.seed))
+
+    predicted = predict(cal)
+    fit_only = predict({k: v for k, v in cal.items() if k != "step_time_spread"})
     errors = {k: predicted[k] / measured[k] - 1.0 for k in KEYS}
+    fit_errors = {k: fit_only[k] / measured[k] - 1.0 for k in KEYS}
     for k in KEYS:
-        print(f"{k:12s} measured {measured[k]:8.1f}  simulated {predicted[k]:8.1f}  error {100 * errors[k]:+6.1f}%")
+        print(
+            f"{k:12s} measured {measured[k]:8.1f}  simulated {predicted[k]:8.1f}  error {100 * errors[k]:+6.1f}%"
+            f"  (fit alone {fit_only[k]:8.1f}, {100 * fit_errors[k]:+6.1f}%)"
+        )
+    shown = (*KEYS, "ttft_attainment", "tbt_attainment")
     figures = {
         "calibration": cal,
-        "measured": {k: measured[k] for k in (*KEYS, "ttft_attainment", "tbt_attainment")},
-        "simulated": {k: predicted[k] for k in (*KEYS, "ttft_attainment", "tbt_attainment")},
+        "measured": {k: measured[k] for k in shown},
+        "simulated": {k: predicted[k] for k in shown},
         "relative_error": errors,
+        "simulated_fit_alone": {k: fit_only[k] for k in shown},
+        "relative_error_fit_alone": fit_errors,
         "steps_simulated": predicted["steps"],
     }
     extra = {"workload": {"rate": args.rate, "duration_s": args.duration, "policy": args.policy, **limits}}

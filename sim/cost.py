@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from superinfer.bench.step_cost import StepCost
@@ -80,20 +82,41 @@ def roofline_cost(model: ModelSpec, hw: HardwareProfile, block_size: int, duplex
     )
 
 
+def spread_quantiles(ratios: Sequence[float], points: int = 101) -> list[float]:
+    """Measured over predicted step times, at `points` evenly spaced quantiles (min to max)."""
+    if not ratios:
+        return []
+    r = sorted(ratios)
+    return [r[round(i * (len(r) - 1) / (points - 1))] for i in range(points)]
+
+
 @dataclass(frozen=True)
 class CalibratedCost(StepCost):
     per_kcontext_s: float = 0.0  # per thousand tokens attended to (the engine's StepTimeModel form)
+    # Measured step time over the fit's prediction, at evenly spaced quantiles: each step draws its
+    # ratio from them (seeded), so simulated steps spread like measured ones. Empty: no spread.
+    spread: tuple[float, ...] = ()
+    rng: random.Random = field(default_factory=lambda: random.Random(0), compare=False, repr=False)
 
     def compute(self, plan: StepPlan) -> float:
         if not plan.seqs:
             return 0.0
         context = sum(s.start_pos + len(s.token_ids) for s in plan.seqs)
-        return super().compute(plan) + self.per_kcontext_s * context / 1000.0
+        seconds = super().compute(plan) + self.per_kcontext_s * context / 1000.0
+        return seconds * self._ratio() if self.spread else seconds
+
+    def _ratio(self) -> float:
+        """A draw from the spread, interpolated between its quantiles."""
+        q = self.spread
+        x = self.rng.random() * (len(q) - 1)
+        i = int(x)
+        return q[i] + (q[min(i + 1, len(q) - 1)] - q[i]) * (x - i)
 
 
 def load_calibration(path: Path, model: ModelSpec, block_size: int) -> CalibratedCost:
-    """JSON {"base_s", "per_token_s", "per_seq_s", "per_kcontext_s", and per direction either
-    "copy_out_gb_s"/"copy_in_gb_s" or "per_block_out_s"/"per_block_in_s"}; missing step terms are 0."""
+    """JSON {"base_s", "per_token_s", "per_seq_s", "per_kcontext_s", optionally "step_time_spread"
+    (see CalibratedCost.spread), and per direction either "copy_out_gb_s"/"copy_in_gb_s" or
+    "per_block_out_s"/"per_block_in_s"}; missing step terms are 0."""
     raw = json.loads(Path(path).read_text())
     raw = raw.get("figures", raw)  # a bench/results record (bench.sim_fidelity) nests it
     raw = raw.get("calibration", raw)
@@ -111,6 +134,7 @@ def load_calibration(path: Path, model: ModelSpec, block_size: int) -> Calibrate
         per_token_s=float(raw.get("per_token_s", 0.0)),
         per_seq_s=float(raw.get("per_seq_s", 0.0)),
         per_kcontext_s=float(raw.get("per_kcontext_s", 0.0)),
+        spread=tuple(float(r) for r in raw.get("step_time_spread", ())),
         per_block_out_s=per_block("out"),
         per_block_in_s=per_block("in"),
     )

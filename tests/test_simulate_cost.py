@@ -12,7 +12,7 @@ from superinfer.bench.step_cost import COPY_LANES
 from superinfer.engine.core.plan import ScheduledSeq, StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.sim.config import SimConfig
-from superinfer.sim.cost import CalibratedCost, load_calibration, roofline_cost
+from superinfer.sim.cost import CalibratedCost, load_calibration, roofline_cost, spread_quantiles
 from superinfer.sim.hardware import get_profile
 from superinfer.sim.model_spec import PRESETS, from_hf_config, load_model_spec
 
@@ -127,6 +127,40 @@ def test_calibration_replaces_the_roofline(tmp_path):
     path.write_text(json.dumps({"base_s": 0.01}))
     with pytest.raises(ValueError, match="copy-out"):
         load_calibration(path, LLAMA, 16)
+
+
+def test_a_calibrated_spread_draws_each_step_from_the_measured_ratios(tmp_path):
+    assert spread_quantiles([5.0, 1.0, 4.0, 2.0, 3.0], points=3) == [1.0, 3.0, 5.0]  # min, median, max
+    assert spread_quantiles([]) == []
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"base_s": 0.01, "copy_out_gb_s": 1, "copy_in_gb_s": 1, "step_time_spread": [0.5, 1.5]}))
+    step = plan((0, 1))
+    draws = [load_calibration(path, LLAMA, 16).compute(step) for _ in range(3)]
+    assert draws[0] == draws[1] == draws[2]  # each cost starts from the same seed: a simulation repeats
+    cost = load_calibration(path, LLAMA, 16)
+    seconds = [cost.compute(step) for _ in range(4000)]
+    assert len(set(seconds)) > 3000 and 0.005 <= min(seconds) and max(seconds) <= 0.015
+    assert sum(seconds) / len(seconds) == pytest.approx(0.01, rel=0.02)  # uniform between the two quantiles
+    flat = dataclasses.replace(cost, spread=(1.0, 1.0, 1.0))
+    assert flat.compute(step) == dataclasses.replace(cost, spread=()).compute(step) == pytest.approx(0.01)
+
+
+def test_fidelity_calibration_keeps_the_spread_around_the_fit():
+    from superinfer.bench.sim_fidelity import RecordedStepTimes, calibration
+    from superinfer.engine.core.step_time import StepShape
+    from superinfer.engine.worker.duplex import CopyStats
+
+    steps = RecordedStepTimes()
+    for i in range(200):  # 2 ms + 0.1 ms per token, every fourth step 20% slower, every fourth 20% faster
+        shape = StepShape(1 + i % 7, 0)
+        steps.observe(shape, (0.002 + 0.0001 * shape.tokens) * (1.0, 1.2, 1.0, 0.8)[i % 4])
+    cal = calibration(steps, [CopyStats(blocks_out=10, seconds_out=0.01, blocks_in=0, seconds_in=0.0)])
+    assert cal["base_s"] == pytest.approx(0.002, rel=0.05) and cal["per_token_s"] == pytest.approx(1e-4, rel=0.05)
+    spread = cal["step_time_spread"]
+    assert len(spread) == 101 and spread == sorted(spread)
+    assert spread[0] == pytest.approx(0.8, abs=0.02) and spread[-1] == pytest.approx(1.2, abs=0.02)
+    assert spread[50] == pytest.approx(1.0, abs=0.02)
+    assert cal["per_block_out_s"] == pytest.approx(0.001) and cal["per_block_in_s"] == 0.0
 
 
 def test_kv_pool_sizing_leaves_out_the_weights():
