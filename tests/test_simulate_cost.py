@@ -139,7 +139,7 @@ def test_a_calibrated_spread_draws_each_step_from_the_measured_ratios(tmp_path):
     assert draws[0] == draws[1] == draws[2]  # each cost starts from the same seed: a simulation repeats
     cost = load_calibration(path, LLAMA, 16)
     seconds = [cost.compute(step) for _ in range(4000)]
-    assert len(set(seconds)) > 3000 and 0.005 <= min(seconds) and max(seconds) <= 0.015
+    assert len(set(seconds)) > 3000 and min(seconds) >= 0.005 and max(seconds) <= 0.015
     assert sum(seconds) / len(seconds) == pytest.approx(0.01, rel=0.02)  # uniform between the two quantiles
     flat = dataclasses.replace(cost, spread=(1.0, 1.0, 1.0))
     assert flat.compute(step) == dataclasses.replace(cost, spread=()).compute(step) == pytest.approx(0.01)
