@@ -14,7 +14,7 @@ from superinfer.sim.simulator import simulate
 from superinfer.sim.workload_spec import WorkloadSpec, make_workload
 
 # --vary keys: where each one goes (RotaryParams fields, SimConfig fields, or both).
-ROTARY_KNOBS = {"alpha": "alpha", "beta_f": "beta_f", "beta_b": "beta_b", "min_residency_s": "min_residency_s"}
+ROTARY_KNOBS = ("alpha", "beta_f", "beta_b", "min_residency_s", "tbt_headroom")
 CONFIG_KNOBS = {"duplex": str, "write_through": bool, "max_num_seqs": int, "max_num_batched_tokens": int}
 
 
@@ -36,7 +36,7 @@ class Variant:
         config: dict[str, Any] = {"policy": self.policy}
         for key, value in self.knobs:
             if key in ROTARY_KNOBS:
-                rotary[ROTARY_KNOBS[key]] = float(value)
+                rotary[key] = float(value)
             elif key == "transfer_budget_blocks":
                 config[key] = int(value)
             elif key in CONFIG_KNOBS:
