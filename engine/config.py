@@ -76,7 +76,9 @@ class EngineConfig(BaseModel):
         "direction at a time, beside the model step), serial (before the model step: the ablation baseline)",
     )
     write_through: bool = Field(
-        True, description="copy full KV blocks to the CPU tier as they fill, so a rotation copies only the tail"
+        True,
+        description="copy full KV blocks to the CPU tier as they fill (once half the GPU pool is in use or a "
+        "request waits), so a rotation copies only the tail",
     )
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
         "auto",

@@ -105,11 +105,28 @@ def test_cpu_tier_full_falls_back_to_recompute(unpressured):
     assert tight.kv.pool.num_free == tight.kv.num_blocks and tight.kv.cpu.num_free == 3
 
 
+def test_write_through_waits_until_the_gpu_pool_is_half_used():
+    """With most of the GPU pool free and nobody waiting, a rotation is unlikely: full blocks stay
+    unwritten (on the CPU a copy costs compute time). Past half the pool, those blocks go first."""
+    s = rotary_scheduler(num_blocks=24, num_cpu_blocks=64)
+    first = make_request("first", 4 * BS, max_tokens=64, first_token=1)
+    s.add(first)
+    for _ in range(3):
+        plan = step(s)
+        assert plan.swap_out == [] and first.cpu_block_ids == []
+    second = make_request("second", 8 * BS, max_tokens=64, first_token=50)  # then 14 of 24 blocks in use
+    s.add(second)
+    plan = step(s)  # a request waits: first's full blocks go; second's are final only after its prefill
+    assert len(plan.swap_out) == len(first.cpu_block_ids) == 4
+    plan = step(s)
+    assert len(plan.swap_out) == len(second.cpu_block_ids) == 8
+
+
 def test_write_through_goes_first_to_the_next_rotation_victim_when_the_tier_is_short():
     """A CPU tier too small for every running request's full blocks: the request the policy would
     rotate out next (here the lower priority one, though admitted second) gets them first, so it
     can leave with a one-block copy."""
-    s = rotary_scheduler(num_blocks=32, num_cpu_blocks=3)
+    s = rotary_scheduler(num_blocks=14, num_cpu_blocks=3)  # mostly in use: full blocks are written through
     keep, leave = make_request("keep", 16, first_token=1), make_request("leave", 16, first_token=50)
     keep.priority = 1
     for r in (keep, leave):

@@ -37,7 +37,7 @@ from superinfer.engine.core.policies import (
     virtual_lag_time,
 )
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
+from superinfer.engine.core.scheduler import WRITE_THROUGH_FREE_SHARE, Scheduler, SchedulerConfig
 from superinfer.engine.core.step_time import StepShape
 from superinfer.engine.slo import SLO
 
@@ -88,6 +88,9 @@ class ReferenceScheduler(Scheduler):
             req.num_pending_tokens += 1
 
     def _write_through(self, step) -> None:
+        pressed = self.kv.num_free_blocks <= WRITE_THROUGH_FREE_SHARE * self.kv.num_blocks
+        if not (pressed or self.waiting or self.rotary):
+            return
         start_pos = {seq.request_id: seq.start_pos for seq in step.seqs}
         order: list[Request] = []
         done: dict[str, int] = {}

@@ -34,6 +34,9 @@ from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 
 _arrival = attrgetter("arrival_time")
+# Full blocks are written through to the CPU tier only while less than this share of the GPU pool
+# is free (or requests wait): see Scheduler._write_through.
+WRITE_THROUGH_FREE_SHARE = 0.5
 
 
 def _remove_sorted(requests: list[Request], req: Request) -> None:
@@ -477,7 +480,13 @@ class Scheduler:
         budget. When the budget or the tier's free blocks cannot take them all, the policy's
         likeliest next rotation victims go first: rotating one out then copies only its tail.
 
-        Only the requests in `_unwritten` can have such blocks: the others are not looked at."""
+        Only the requests in `_unwritten` can have such blocks: the others are not looked at.
+        Nothing is copied while most of the GPU pool is free and no request waits for it: a
+        rotation is unlikely then, and the copies are not free where they share the compute lane
+        (on the CPU). The blocks left unwritten are copied once that changes, or at rotation."""
+        kv = self.kv
+        if kv.pool.num_free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.waiting and not self.rotary:
+            return
         candidates = list(filter(self._unwritten.__contains__, self.running))
         order: list[Request] = []
         done: dict[str, int] = {}  # tokens with final KV before this step
