@@ -4,7 +4,7 @@ Pure control plane (no model): each step's sampled tokens are made up. Two situa
 request fits (decode steady state) and memory contention (half the requests cannot fit, so the
 rotary policy ranks, rotates and swaps every step).
 
-    python -m bench.sched [--live 256,1024,4096] [--steps 50]
+    python -m bench.sched [--live 256,1024,4096] [--steps 50] [--tag T]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--live", default="256,1024,4096")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--tag", default="", help="names a variant run's results file (sched-TAG-cpu-DATE.json)")
     args = parser.parse_args()
     figures: dict[str, dict[str, float]] = {}
     for contention in (False, True):
@@ -71,7 +72,7 @@ def main() -> None:
                     flush=True,
                 )
     goal = {"median_ms_at_1024": "<= 0.5 (the reference spends 7.6 ms)"}
-    print(f"wrote {write_result('sched', 'cpu', figures, goal)}")
+    print(f"wrote {write_result('sched', 'cpu', figures, goal, tag=args.tag)}")
 
 
 if __name__ == "__main__":
