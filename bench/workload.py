@@ -124,8 +124,8 @@ def mixed_workload(
 
 def prompt_tokens(items: Sequence[WorkItem], vocab_size: int, seed: int = 0) -> list[list[int]]:
     """Random prompt token ids for each item (distinct prompts: no accidental prefix sharing)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(16, vocab_size) for _ in range(item.prompt_len)] for item in items]
+    rng, ids = random.Random(seed), range(16, vocab_size)
+    return [rng.choices(ids, k=item.prompt_len) for item in items]
 
 
 def load_trace(
