@@ -230,7 +230,7 @@ def reference_tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGua
         return None
     new = [r for r in sched.waiting if r.t_first_token is None]
     allowed = 0
-    if all(now - r.t_last_token < turn for r in live if r.t_last_token is not None):
+    if all(now < r.t_last_token + r.slo.tbt_ms * (headroom / 1000.0) for r in live if r.t_last_token is not None):
         allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
     step_s = turn * min(d, fit) / d
     budget = model.tokens_within(step_s, sum(r.num_tokens for r in sched.running))

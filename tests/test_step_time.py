@@ -67,6 +67,20 @@ def test_guard_holds_new_requests_that_would_break_the_streaming_ones_tbt():
     assert [r.request_id for r in s.waiting] == ["new3", "new4", "new5"], "the rest wait, in order"
 
 
+def test_a_request_waits_its_own_turn_not_the_tightest_slo_s():
+    """No request starts while a streaming one has waited its whole turn for a token, but a turn
+    is 0.8 x that request's own TBT SLO: a batch request (1 s) that waited 200 ms does not hold
+    up an interactive one (100 ms turns: 80 ms), which the model says fits."""
+    s, clock = guarded_scheduler(0.0001, SLO(ttft_ms=500, tbt_ms=100), running=2)
+    batch, interactive = s.requests["live0"], s.requests["live1"]
+    batch.slo = SLO(ttft_ms=30_000, tbt_ms=1000)
+    clock.now = interactive.t_last_token + 0.05
+    batch.t_last_token = clock.now - 0.2
+    assert tbt_guard(s, clock.now, 0.8).new_requests == 6
+    interactive.t_last_token = clock.now - 0.09  # past its own 80 ms turn
+    assert tbt_guard(s, clock.now, 0.8).new_requests == 0
+
+
 def test_guard_lets_everything_in_when_the_slo_is_loose_or_unreachable():
     s, _ = guarded_scheduler(0.0001, SLO(ttft_ms=5000, tbt_ms=100))
     guard = tbt_guard(s, s.clock(), 0.8)

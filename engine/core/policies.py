@@ -122,11 +122,13 @@ class TBTGuard:
 _token_ids = attrgetter("token_ids")
 
 
-def _live_stats(groups: Iterable[Iterable[Request]]) -> tuple[int, int, float, float]:
+def _live_stats(groups: Iterable[Iterable[Request]], headroom: float) -> tuple[int, int, float, float]:
     """Of the requests whose TBT SLO is not lost yet: how many, their tokens, the tightest TBT
-    SLO (ms) and the oldest last token (inf if none). One pass: hot at thousands of requests."""
+    SLO (ms) and when the first of their turns ends (`headroom` x its own TBT SLO after its last
+    token; inf if none has a token). One pass: hot at thousands of requests."""
     count = tokens = 0
-    min_tbt_ms = oldest = math.inf
+    min_tbt_ms = turn_end = math.inf
+    turn_share = headroom / 1000.0
     for group in groups:
         for r in group:
             tbt_ms = r.slo.tbt_ms
@@ -137,9 +139,9 @@ def _live_stats(groups: Iterable[Iterable[Request]]) -> tuple[int, int, float, f
             if tbt_ms < min_tbt_ms:
                 min_tbt_ms = tbt_ms
             t = r.t_last_token
-            if t is not None and t < oldest:
-                oldest = t
-    return count, tokens, min_tbt_ms, oldest
+            if t is not None and t + tbt_ms * turn_share < turn_end:
+                turn_end = t + tbt_ms * turn_share
+    return count, tokens, min_tbt_ms, turn_end
 
 
 def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
@@ -160,7 +162,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     if not model.ready:
         return None
     restarted = [r for r in sched.waiting if r.t_first_token is not None]
-    d, tokens, min_tbt_ms, oldest = _live_stats((sched.running, sched.rotary_on_time, restarted))
+    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.running, sched.rotary_on_time, restarted), headroom)
     if not d:
         return None
     kv = sched.kv
@@ -176,8 +178,8 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     new = [r for r in sched.waiting if r.t_first_token is None]
     allowed = 0
     # What the model predicts, and what the streaming requests feel: none starts while one of them
-    # has already waited a whole turn for its next token.
-    if now - oldest < turn:
+    # has already waited a whole turn (its own: a batch request's is longer) for its next token.
+    if now < turn_end:
         allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
