@@ -139,8 +139,8 @@ def _live_stats(groups: Iterable[Iterable[Request]], headroom: float) -> tuple[i
             if tbt_ms < min_tbt_ms:
                 min_tbt_ms = tbt_ms
             t = r.t_last_token
-            if t is not None and t + tbt_ms * turn_share < turn_end:
-                turn_end = t + tbt_ms * turn_share
+            if t is not None and (end := t + tbt_ms * turn_share) < turn_end:
+                turn_end = end
     return count, tokens, min_tbt_ms, turn_end
 
 
