@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem
+from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.duplex import CopyStats
@@ -67,7 +68,10 @@ def replay(
             i = order[nxt]
             rid = f"w{i}"
             sampling = SamplingParams(max_tokens=items[i].output_len, temperature=0, ignore_eos=True)
-            core.add_request(rid, prompts[i], sampling, items[i].slo, arrival_time=start + items[i].arrival_s)
+            label = items[i].label if items[i].label in core.slo_classes else DEFAULT_SLO_CLASS
+            core.add_request(
+                rid, prompts[i], sampling, items[i].slo, arrival_time=start + items[i].arrival_s, slo_class=label
+            )
             token_times[rid] = []
             nxt += 1
         if not core.scheduler.has_work and not in_flight:

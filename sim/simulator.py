@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem, prompt_tokens
+from superinfer.engine.contract import BUILTIN_SLO_CLASSES, DEFAULT_SLO_CLASS
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import make_policy
@@ -97,7 +98,18 @@ def simulate(
             i = order[nxt]
             item = items[i]
             sampling = SamplingParams(max_tokens=item.output_len, temperature=0, ignore_eos=True)
-            sched.add(Request(f"w{i}", prompts[i], sampling, item.arrival_s, slo=item.slo))
+            cls = BUILTIN_SLO_CLASSES.get(item.label)  # a labelled item of a mixed workload: its priority
+            sched.add(
+                Request(
+                    f"w{i}",
+                    prompts[i],
+                    sampling,
+                    item.arrival_s,
+                    slo=item.slo,
+                    priority=cls["priority"] if cls else 0,
+                    slo_class=item.label if cls else DEFAULT_SLO_CLASS,
+                )
+            )
             nxt += 1
         if not sched.has_work and not in_flight:
             clock.now = items[order[nxt]].arrival_s

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import yaml
 
-from superinfer.bench.workload import WorkItem, poisson_workload
+from superinfer.bench.peer_loads import CLASSES
+from superinfer.bench.workload import WorkItem, mixed_workload, poisson_workload
 from superinfer.engine.cli import main
 from superinfer.engine.core.request import RequestStatus
 from superinfer.engine.slo import SLO
@@ -102,6 +103,25 @@ def test_rotary_beats_fcfs_on_ttft_attainment_under_overload():
     assert fcfs["recomputes"] > 0 and rotary["rotations"] > 0  # the KV pool was exhausted
     assert rotary["ttft_attainment"] >= fcfs["ttft_attainment"] + 0.15
     assert rotary["swap_gb_s_cpu_to_gpu"] > 0 and fcfs["swap_gb_s_cpu_to_gpu"] == 0
+
+
+def test_labelled_requests_carry_their_slo_class_and_priority():
+    """A mixed workload's interactive and batch items reach the scheduler as those SLO classes,
+    with their priorities: under overload rotary serves the interactive ones first."""
+    items = mixed_workload(CLASSES, 40.0, 5, seed=0, max_prompt=256, max_output=512)
+    seen: dict[str, tuple[str, int]] = {}
+
+    def record(sched, plan) -> None:
+        seen.update({r.request_id: (r.slo_class, r.priority) for r in sched.requests.values()})
+
+    result = simulate(SimConfig(policy="rotary", gpu_kv_gib=0.25), items, on_step=record)
+    assert {seen[f"w{i}"] for i, it in enumerate(items) if it.label == "interactive"} == {("interactive", 1)}
+    assert {seen[f"w{i}"] for i, it in enumerate(items) if it.label == "batch"} == {("batch", 0)}
+    ttft = {
+        label: [t.ttft for it, t in zip(items, result.timings, strict=True) if it.label == label]
+        for label in ("interactive", "batch")
+    }
+    assert sorted(ttft["interactive"])[len(ttft["interactive"]) // 2] < sorted(ttft["batch"])[len(ttft["batch"]) // 2]
 
 
 def test_max_rate_bisects_a_monotonic_metric():

@@ -14,6 +14,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.cli import main
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import Request
+from superinfer.engine.engine import EngineCore
 from superinfer.engine.server import RunningServer, start_server
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass
@@ -242,3 +243,25 @@ async def test_builtin_class_buckets_include_every_threshold():
         await running.close()
     assert {0.5, 30.0, 1.234} <= bounds["time_to_first_token_seconds_bucket"]  # interactive, batch, default
     assert {0.1, 1.0} <= bounds["time_between_tokens_seconds_bucket"]
+
+
+# ---- the benchmarks' replay ------------------------------------------------------------------
+
+
+def test_replay_passes_each_labelled_item_its_class():
+    """bench.replay (the `slo` benchmark's engine driver) gives an item labelled with a known SLO
+    class that class, and any other label the default one."""
+    from superinfer.bench.replay import replay
+    from superinfer.bench.workload import WorkItem
+
+    core = EngineCore(EngineConfig(model="tiny", device="cpu", engine_process=False))
+    items = [WorkItem(0.0, 8, 3, SLO(), label) for label in ("interactive", "batch", "batch", "long")]
+    replay(core, items, [[20 + i] * 8 for i in range(len(items))])
+    reg = core.metrics.registry
+    counts = {
+        cls: reg.get_sample_value(
+            c.metric("time_to_first_token_seconds_count"), {"model_name": "tiny", "slo_class": cls}
+        )
+        for cls in ("interactive", "batch", "default")
+    }
+    assert counts == {"interactive": 1.0, "batch": 2.0, "default": 1.0}
