@@ -9,7 +9,8 @@ half duplex and serial copies run one direction at a time at the one-way rate.
 
 A calibration file (measured on a device, or fitted from the engine's own step-time model)
 replaces the roofline with a linear cost: fixed + per token + per sequence + per thousand context
-tokens, and copies at measured GB/s per direction. A `bench.step` record instead keeps the roofline
+tokens, each step scaled by a factor drawn from the measured spread around that fit when the file
+gives one, and copies at measured GB/s per direction. A `bench.step` record instead keeps the roofline
 at the rates that benchmark measured (HBM bandwidth x its decode share of the roofline at the
 largest batch, and its prefill share of bf16 peak).
 """
