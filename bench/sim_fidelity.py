@@ -50,7 +50,8 @@ class RecordedStepTimes(StepTimeModel):
 
 def calibration(steps: RecordedStepTimes, copies: list[CopyStats]) -> dict:
     base, per_token, per_kcontext = steps.coefficients()
-    ratios = [seconds / steps.predict(shape) for shape, seconds in steps.seen]
+    predicted = [(steps.predict(shape), seconds) for shape, seconds in steps.seen]
+    ratios = [seconds / p for p, seconds in predicted if p > 0]  # none if the fit came out all zero
     out: dict = {"base_s": base, "per_token_s": per_token, "per_kcontext_s": per_kcontext}
     out["step_time_spread"] = spread_quantiles(ratios)
     for d in ("out", "in"):

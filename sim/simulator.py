@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem, prompt_tokens
-from superinfer.engine.contract import BUILTIN_SLO_CLASSES, DEFAULT_SLO_CLASS
+from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
+from superinfer.engine.slo import SLO
+from superinfer.engine.slo_classes import class_table
 from superinfer.sim.config import SimConfig
 
 SAMPLED_TOKEN = 0
@@ -80,6 +82,7 @@ def simulate(
     timeline = DeviceTimeline(config.step_cost(), config.duplex, config.async_scheduling)
     host_s = config.host_seconds()
     prompts = prompt_tokens(items, config.model_spec().vocab_size, seed)
+    classes = class_table(None, SLO())  # the engine's default classes: the built-in ones and `default`
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     token_times: dict[str, list[float]] = {f"w{i}": [] for i in range(len(items))}
     in_flight: list[tuple[StepPlan, float]] = []
@@ -98,7 +101,7 @@ def simulate(
             i = order[nxt]
             item = items[i]
             sampling = SamplingParams(max_tokens=item.output_len, temperature=0, ignore_eos=True)
-            cls = BUILTIN_SLO_CLASSES.get(item.label)  # a labelled item of a mixed workload: its priority
+            slo_class = item.label if item.label in classes else DEFAULT_SLO_CLASS  # as bench.replay
             sched.add(
                 Request(
                     f"w{i}",
@@ -106,8 +109,8 @@ def simulate(
                     sampling,
                     item.arrival_s,
                     slo=item.slo,
-                    priority=cls["priority"] if cls else 0,
-                    slo_class=item.label if cls else DEFAULT_SLO_CLASS,
+                    priority=classes[slo_class].priority,
+                    slo_class=slo_class,
                 )
             )
             nxt += 1

@@ -10,6 +10,8 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
+from superinfer.bench.replay import replay
+from superinfer.bench.workload import WorkItem
 from superinfer.engine import contract as c
 from superinfer.engine.cli import main
 from superinfer.engine.config import EngineConfig
@@ -251,9 +253,6 @@ async def test_builtin_class_buckets_include_every_threshold():
 def test_replay_passes_each_labelled_item_its_class():
     """bench.replay (the `slo` benchmark's engine driver) gives an item labelled with a known SLO
     class that class, and any other label the default one."""
-    from superinfer.bench.replay import replay
-    from superinfer.bench.workload import WorkItem
-
     core = EngineCore(EngineConfig(model="tiny", device="cpu", engine_process=False))
     items = [WorkItem(0.0, 8, 3, SLO(), label) for label in ("interactive", "batch", "batch", "long")]
     replay(core, items, [[20 + i] * 8 for i in range(len(items))])
