@@ -65,6 +65,40 @@ def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling):
     assert core.kv.pool.num_free == core.kv.num_blocks and core.kv.cpu.num_free == core.kv.cpu.num_blocks
 
 
+def test_submitting_a_step_never_waits_for_the_device(monkeypatch):
+    """Planning and submitting a step only queue work: no host sync (penalties, seeds, top-k/top-p,
+    logprobs, rotations over the copy streams, async scheduling). Only `collect` waits, for the
+    sampled tokens. (Steps under a grammar sync by design: the matchers need the token.)"""
+    core = EngineCore(
+        EngineConfig(
+            model="tiny",
+            device="cuda",
+            dtype="float32",
+            policy="rotary",
+            num_gpu_blocks=20,
+            num_cpu_blocks=400,
+            transfer_budget_blocks=16,
+            async_scheduling=True,
+        )
+    )
+    submit = core.runner.submit
+
+    def submit_without_sync(plan):
+        torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+        try:
+            return submit(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(core.runner, "submit", submit_without_sync)
+    sampling = SamplingParams(
+        max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=7, presence_penalty=0.5, logprobs=2, ignore_eos=True
+    )
+    out = run(core, random_prompts(10, core.model_config.vocab_size, seed=9, lo=10, hi=50), sampling)
+    assert all(len(tokens) == 30 for tokens in out.values())
+    assert core.scheduler.counters.rotations > 5
+
+
 def test_async_scheduling_on_cuda_matches_sync():
     """Stops the scheduler cannot foresee, seeds, logprobs: the pipelined CUDA engine equals the synchronous one."""
     outs = {}

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from superinfer.engine.worker.device_tensor import device_tensor, to_device
 from superinfer.engine.worker.host_memory import host_tensor
 
 log = logging.getLogger(__name__)
@@ -145,15 +146,12 @@ class _GroupBuilder:
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size, self.dtype, self.device = block_size, dtype, device
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-
     def indices(self, values: list[int]) -> torch.Tensor:
-        return self.to_device(torch.tensor(values, dtype=torch.long))
+        return device_tensor(values, torch.long, self.device)
 
     def additive_mask(self, hidden: torch.Tensor) -> torch.Tensor:
         """0 where a key is visible, -inf where `hidden`, in the attention's dtype."""
-        return self.to_device(torch.zeros(hidden.shape, dtype=self.dtype).masked_fill_(hidden, float("-inf")))
+        return to_device(torch.zeros(hidden.shape, dtype=self.dtype).masked_fill_(hidden, float("-inf")), self.device)
 
     def _blocks(self, run: list[SeqSpan], width: int) -> torch.Tensor:
         ids: list[int] = []

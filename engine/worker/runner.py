@@ -23,6 +23,7 @@ import torch
 from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.worker.attention import SeqSpan, attention_backend
+from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies
 from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
 from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
@@ -170,10 +171,7 @@ class ModelRunner:
         self._previous: SubmittedStep | None = None  # whose sampled tokens fill the next placeholders
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return device_tensor(values, torch.long, self.device)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

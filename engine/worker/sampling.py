@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.worker.device_tensor import device_tensor
 
 
 @dataclass
@@ -38,12 +39,6 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small per-step tensor on the device without a blocking host-to-device copy."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 @dataclass
@@ -70,15 +65,15 @@ def _bias(logits: torch.Tensor, params: Sequence[SamplingParams], banned: Sequen
         return logits
     rows, cols, values = map(list, zip(*entries, strict=True))
     device = logits.device
-    index = (_on(device, rows, torch.long), _on(device, cols, torch.long))
-    return logits.index_put(index, _on(device, values, torch.float32), accumulate=True)
+    index = (device_tensor(rows, torch.long, device), device_tensor(cols, torch.long, device))
+    return logits.index_put(index, device_tensor(values, torch.float32, device), accumulate=True)
 
 
 def _penalize(scores: torch.Tensor, params: Sequence[SamplingParams], history: TokenHistory) -> torch.Tensor:
     device = scores.device
-    repetition = _on(device, [p.repetition_penalty for p in params], torch.float32)[:, None]
-    frequency = _on(device, [p.frequency_penalty for p in params], torch.float32)[:, None]
-    presence = _on(device, [p.presence_penalty for p in params], torch.float32)[:, None]
+    repetition = device_tensor([p.repetition_penalty for p in params], torch.float32, device)[:, None]
+    frequency = device_tensor([p.frequency_penalty for p in params], torch.float32, device)[:, None]
+    presence = device_tensor([p.presence_penalty for p in params], torch.float32, device)[:, None]
     counts = history.output_counts
     seen = counts > 0
     repeated = torch.where(scores > 0, scores / repetition, scores * repetition)
@@ -112,15 +107,15 @@ def sample(
         tokens = scores.argmax(dim=-1)
     else:
         device = logits.device
-        temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
+        temps = device_tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device)
         scaled = scores / temps[:, None]
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-            top_k = _on(device, [p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long)
-            top_p = _on(device, [p.top_p for p in params], torch.float32)
+            top_k = device_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, device)
+            top_p = device_tensor([p.top_p for p in params], torch.float32, device)
             scaled = _truncate(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = _on(device, [p.min_p for p in params], torch.float32)[:, None]
+            min_p = device_tensor([p.min_p for p in params], torch.float32, device)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_()
         for i, gen in enumerate(generators):
@@ -128,7 +123,7 @@ def sample(
                 noise[i].exponential_(generator=gen)
         tokens = (probs / noise).argmax(dim=-1)
         if any(p.greedy for p in params):
-            is_greedy = _on(device, [p.greedy for p in params], torch.bool)
+            is_greedy = device_tensor([p.greedy for p in params], torch.bool, device)
             tokens = torch.where(is_greedy, scores.argmax(dim=-1), tokens)
 
     want = max((p.logprobs for p in params if p.logprobs is not None), default=None)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from superinfer.engine.core.plan import ScheduledSeq
+from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.sampling import TokenHistory
 
 
@@ -39,7 +40,7 @@ class TokenHistories:
             row = self.row_of[seq.request_id] = self.free_rows.pop()
             self.output_counts[row] = 0
             self.in_prompt[row] = False
-            prompt = torch.tensor(list(seq.prompt_token_ids), dtype=torch.long).to(self.device, non_blocking=True)
+            prompt = device_tensor(seq.prompt_token_ids, torch.long, self.device)
             self.in_prompt[row, prompt] = True
         return row
 
@@ -49,7 +50,7 @@ class TokenHistories:
         if not any(seq.sampling.penalized for seq in seqs):
             return None
         rows = [self._row(seq) if seq.sampling.penalized else -1 for seq in seqs]
-        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return device_tensor(rows, torch.long, self.device)
 
     def gather(self, rows: torch.Tensor) -> TokenHistory:
         counts = self.output_counts[rows.clamp(min=0)]
