@@ -39,15 +39,9 @@ def test_dummy_preset_serves_on_cuda_in_bf16():
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
-def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling):
-    """Rotary policy with a tiny GPU pool: KV moves over the two copy streams (pinned CPU tier)
-    while steps run, with and without async scheduling; tokens equal the CPU run without pressure."""
-    sampling = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    prompts = random_prompts(10, 2000, seed=9, lo=10, hi=50)
-    cpu = EngineCore(EngineConfig(model="tiny", device="cpu", dtype="float32", num_gpu_blocks=256))
-    reference = run(cpu, prompts, sampling)
-    core = EngineCore(
+def rotating_cuda_engine(async_scheduling: bool) -> EngineCore:
+    """The rotary policy with a tiny GPU pool: KV moves over the copy streams every few steps."""
+    return EngineCore(
         EngineConfig(
             model="tiny",
             device="cuda",
@@ -59,6 +53,17 @@ def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling):
             async_scheduling=async_scheduling,
         )
     )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
+def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling):
+    """Rotary policy with a tiny GPU pool: KV moves over the two copy streams (pinned CPU tier)
+    while steps run, with and without async scheduling; tokens equal the CPU run without pressure."""
+    sampling = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = random_prompts(10, 2000, seed=9, lo=10, hi=50)
+    cpu = EngineCore(EngineConfig(model="tiny", device="cpu", dtype="float32", num_gpu_blocks=256))
+    reference = run(cpu, prompts, sampling)
+    core = rotating_cuda_engine(async_scheduling)
     assert core.runner.duplex.cpu.is_pinned()
     assert run(core, prompts, sampling) == reference
     assert core.scheduler.counters.rotations > 5
@@ -69,18 +74,7 @@ def test_submitting_a_step_never_waits_for_the_device(monkeypatch):
     """Planning and submitting a step only queue work: no host sync (penalties, seeds, top-k/top-p,
     logprobs, rotations over the copy streams, async scheduling). Only `collect` waits, for the
     sampled tokens. (Steps under a grammar sync by design: the matchers need the token.)"""
-    core = EngineCore(
-        EngineConfig(
-            model="tiny",
-            device="cuda",
-            dtype="float32",
-            policy="rotary",
-            num_gpu_blocks=20,
-            num_cpu_blocks=400,
-            transfer_budget_blocks=16,
-            async_scheduling=True,
-        )
-    )
+    core = rotating_cuda_engine(async_scheduling=True)
     submit = core.runner.submit
 
     def submit_without_sync(plan):
