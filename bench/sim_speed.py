@@ -16,17 +16,16 @@ import statistics
 
 from superinfer.bench.record import write_result
 from superinfer.sim.config import SimConfig
-from superinfer.sim.report import point_report
-from superinfer.sim.simulator import simulate
-from superinfer.sim.workload_spec import WorkloadSpec, make_workload
+from superinfer.sim.sweep import run_point
+from superinfer.sim.workload_spec import WorkloadSpec
 
 RATE = 60.0
 
 
 def run_once(policy: str, duration_s: float) -> tuple[float, str]:
     """Wall seconds of one simulated point, and a digest of its report (wall time left out)."""
-    items = make_workload(WorkloadSpec(duration_s=duration_s), RATE)
-    report = point_report(simulate(SimConfig(model="llama-3-8b", hardware="gh200", gpu_kv_gib=8, policy=policy), items))
+    config = SimConfig(model="llama-3-8b", hardware="gh200", gpu_kv_gib=8, policy=policy)
+    report, _ = run_point(config, WorkloadSpec(duration_s=duration_s), RATE)
     wall = report.pop("wall_s")
     return wall, hashlib.sha256(json.dumps(report, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -71,9 +71,9 @@ def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling):
 
 
 def test_submitting_a_step_never_waits_for_the_device(monkeypatch):
-    """Planning and submitting a step only queue work: no host sync (penalties, seeds, top-k/top-p,
-    logprobs, rotations over the copy streams, async scheduling). Only `collect` waits, for the
-    sampled tokens. (Steps under a grammar sync by design: the matchers need the token.)"""
+    """Submitting a step only queues work: no host sync (penalties, seeds, top-k/top-p, logprobs,
+    rotations over the copy streams, async scheduling). Only `collect` waits, for the sampled
+    tokens. (Steps under a grammar sync by design: the matchers need the token.)"""
     core = rotating_cuda_engine(async_scheduling=True)
     submit = core.runner.submit
 
