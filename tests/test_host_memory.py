@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,27 @@ def test_host_tensor_is_exactly_the_size_asked_zeroed_and_writable():
     assert not t.any()
     t[-1] = 7
     assert int(t[-1]) == 7
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the mapping holding `t` that are in memory (Linux's /proc/self/smaps)."""
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if not head.endswith(":"):  # a mapping's first line: its address range
+            start, end = (int(x, 16) for x in head.split("-"))
+            found = start <= t.data_ptr() < end
+        elif found and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_populated_host_memory_is_mapped_before_its_first_write():
+    n = 64 * PAGE + 3
+    assert _resident_bytes(host_tensor(n)) == 0  # pages arrive at their first write
+    populated = host_tensor(n, populate=True)
+    assert _resident_bytes(populated) >= n and not populated.any()
 
 
 def test_kv_cache_in_host_memory_has_the_cache_shape_and_exact_bytes():

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 
 from .config import ModelConfig
 from .moe import SparseMoE
+from .packed_linear import Linear
 from .sharding import CheckpointTensor, Shard, TensorParallel, held
 
 Device = torch.device | str | None
@@ -118,7 +119,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class FusedLinear(nn.Linear):
+class FusedLinear(Linear):
     """Several Linear layers over the same input as one: their weights stacked row-wise, in order.
     Column-parallel: each part holds its shard's output features (all of them on one device)."""
 
@@ -136,7 +137,7 @@ class FusedLinear(nn.Linear):
                 start += part.length
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A Linear whose input features are split over the ranks (`part` of them here): the partial
     products are summed over the ranks, then the bias is added once."""
 
@@ -148,7 +149,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -174,7 +175,7 @@ class VocabEmbedding(nn.Embedding):
         return self.tp.all_reduce(h.masked_fill_(elsewhere[:, None], 0))
 
 
-class LMHead(nn.Linear):
+class LMHead(Linear):
     """The output projection of this rank's slice of the vocabulary; rank 0 gathers the logits."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel, **factory: Any) -> None:
@@ -185,7 +186,7 @@ class LMHead(nn.Linear):
 
     def logits(self, hidden: Tensor) -> Tensor | None:
         """float32 logits [N, vocab] on rank 0, None on the other ranks."""
-        local = F.linear(hidden, self.weight).float()
+        local = self.matmul(hidden).float()
         if self.tp.size == 1:
             return local
         full = self.tp.gather_first(local)

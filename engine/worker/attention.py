@@ -53,13 +53,18 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     pin_memory: bool = False,
+    populate: bool = False,
 ) -> torch.Tensor:
     """A zeroed cache. In host memory it takes exactly its size (no power-of-two rounding), and
-    with `pin_memory` it is registered for asynchronous CUDA copies (see host_memory)."""
+    with `pin_memory` it is registered for asynchronous CUDA copies (see host_memory).
+    `populate`: map its pages now, as a cache the model computes in needs (first writes to fresh
+    pages during steps cost up to a few times the step's KV write); a large CPU tier leaves them
+    to its copies."""
     shape = (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)
     if torch.device(device).type == "cpu":
         block_bytes = num_layers * 2 * block_size * kv_heads * head_dim * dtype.itemsize
-        return host_tensor(num_blocks * block_bytes, pin=pin_memory, align=block_bytes).view(dtype).view(shape)
+        buffer = host_tensor(num_blocks * block_bytes, pin=pin_memory, align=block_bytes, populate=populate)
+        return buffer.view(dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -30,12 +30,13 @@ SLAB_BYTES = 32 << 30
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 
 
-def host_tensor(nbytes: int, pin: bool = False, align: int = 1) -> torch.Tensor:
+def host_tensor(nbytes: int, pin: bool = False, align: int = 1, populate: bool = False) -> torch.Tensor:
     """A zeroed uint8 CPU tensor of exactly `nbytes` bytes in its own anonymous mapping.
 
     With `pin` the mapping is registered with CUDA (in slabs of whole `align`-byte units), so
     `non_blocking` copies to and from the GPU are asynchronous DMA. The registration ends when
-    the tensor and every view of it are gone.
+    the tensor and every view of it are gone. With `populate` every page is mapped now rather than
+    at its first write (which costs a page fault, and zeroing a huge page, in the middle of a step).
     """
     if nbytes < 1:
         raise ValueError(f"a host buffer needs at least one byte, got {nbytes}")
@@ -50,7 +51,10 @@ def host_tensor(nbytes: int, pin: bool = False, align: int = 1) -> torch.Tensor:
     region = region_type.from_buffer(mapping)
     if pin:
         _register(ctypes.addressof(region), length, align, slabs)
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+    tensor = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+    if populate:
+        tensor.zero_()  # (its pages read as zeros already: this writes them into the mapping)
+    return tensor
 
 
 def _pages(nbytes: int) -> int:

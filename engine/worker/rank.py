@@ -16,6 +16,7 @@ import torch
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.model.loader import LoadedModel, load_model
+from superinfer.engine.model.packed_linear import pack_linears
 from superinfer.engine.model.sharding import TensorParallel
 from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.worker.attention import allocate_kv_cache
@@ -108,10 +109,12 @@ class RankMemory:
     block_bytes: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    packed_weight_bytes: int = 0  # oneDNN's copies of the linear weights (CPU)
 
     def describe(self) -> str:
+        packed = f" (+{_size(self.packed_weight_bytes)} packed for oneDNN)" if self.packed_weight_bytes else ""
         return (
-            f"rank {self.rank} on {self.device}: weights {_size(self.weight_bytes)}, "
+            f"rank {self.rank} on {self.device}: weights {_size(self.weight_bytes)}{packed}, "
             f"KV pool {_size(self.num_gpu_blocks * self.block_bytes)} ({self.num_gpu_blocks} blocks of "
             f"{_size(self.block_bytes)}), CPU tier {_size(self.num_cpu_blocks * self.block_bytes)}"
         )
@@ -140,7 +143,8 @@ def make_runner(
     attn = model.model.layers[0].self_attn
     dtype = next(model.parameters()).dtype
     shape = (loaded.config.num_layers, bs, attn.num_kv_heads, attn.head_dim)
-    kv_cache = allocate_kv_cache(num_blocks, *shape, dtype, device)
+    kv_cache = allocate_kv_cache(num_blocks, *shape, dtype, device, populate=True)
+    packed_bytes = pack_linears(model)
     cpu_cache = None
     block_bytes = kv_block_bytes(loaded, bs)
     if num_cpu_blocks:
@@ -166,5 +170,7 @@ def make_runner(
         attention=config.attention_backend,
     )
     log.info("rank %d: attention backend %s", model.tp.rank, runner.attention_backend)
-    memory = RankMemory(model.tp.rank, str(device), weight_bytes(model), block_bytes, num_blocks, num_cpu_blocks)
+    memory = RankMemory(
+        model.tp.rank, str(device), weight_bytes(model), block_bytes, num_blocks, num_cpu_blocks, packed_bytes
+    )
     return runner, memory
