@@ -1,6 +1,7 @@
 """Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
 
-python -m bench.run            # CPU: peer, sched, slo, ragged (tiny model), moe (small MoE models), tp (tiny, -tp 2)
+python -m bench.run            # CPU: peer, sched, slo, ragged, cpu_linear (tiny model), moe (small MoE
+                               # models), tp (tiny, -tp 2)
 python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, slo (llama-3-8b dummy weights)
 """
 
@@ -10,7 +11,15 @@ import argparse
 import subprocess
 import sys
 
-CPU = [["bench.peer"], ["bench.sched"], ["bench.slo"], ["bench.ragged"], ["bench.moe"], ["bench.tp"]]
+CPU = [
+    ["bench.peer"],
+    ["bench.sched"],
+    ["bench.slo"],
+    ["bench.ragged"],
+    ["bench.cpu_linear"],
+    ["bench.moe"],
+    ["bench.tp"],
+]
 GPU = [
     ["pytest", "-q", "-m", "gpu", "tests"],
     ["bench.step", "--device", "cuda"],

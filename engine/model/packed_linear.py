@@ -4,7 +4,7 @@ torch's `F.linear` on the CPU hands the row-major weight to MKL on every call, w
 counts of a decode step (a few to a few dozen tokens) reaches a fraction of what the same matmul
 does over a weight already in the layout oneDNN's kernels read: measured on one AVX-512 core,
 the tiny model's lm_head at 5 rows 215 -> 94 µs, at 64 rows 1.09 -> 0.92 ms, and the MLP alike
-(`bench.ragged`). vLLM's CPU backend does the same. The dense weight stays (loading, tied
+(whole steps: `bench.cpu_linear`). vLLM's CPU backend does the same. The dense weight stays (loading, tied
 embeddings and the checkpoint names read it), so on the CPU float32 linear weights take twice
 their size; `pack_linears` reports the bytes.
 """
