@@ -4,9 +4,9 @@ torch's `F.linear` on the CPU hands the row-major weight to MKL on every call, w
 counts of a decode step (a few to a few dozen tokens) reaches a fraction of what the same matmul
 does over a weight already in the layout oneDNN's kernels read: measured on one AVX-512 core,
 the tiny model's lm_head at 5 rows 215 -> 94 µs, at 64 rows 1.09 -> 0.92 ms, and the MLP alike
-(whole steps: `bench.cpu_linear`). vLLM's CPU backend does the same. The dense weight stays (loading, tied
-embeddings and the checkpoint names read it), so on the CPU float32 linear weights take twice
-their size; `pack_linears` reports the bytes.
+(whole steps: `bench.cpu_linear`). vLLM's CPU backend does the same. The dense weight stays
+(loading, tied embeddings and the checkpoint names read it), so on the CPU float32 linear weights
+take twice their size; `pack_linears` reports the bytes.
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ class Linear(nn.Linear):
 
     packed: Tensor | None = None
 
-    def matmul(self, x: Tensor) -> Tensor:
-        """x @ weight.T (without the bias)."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
-
     def forward(self, x: Tensor) -> Tensor:
+        return self._project(x, self.bias)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x @ weight.T, without the bias."""
+        return self._project(x, None)
+
+    def _project(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
 def why_not_packed(weight: Tensor) -> str | None:
