@@ -66,8 +66,11 @@ def decode(core: EngineCore, batch: int, context: int, steps: int, async_schedul
     return (time.perf_counter() - t0) / steps
 
 
-def prefill(core: EngineCore, tokens: int) -> float:
-    prompt = [random.Random(0).randrange(core.model_config.vocab_size) for _ in range(tokens)]
+def prefill(core: EngineCore, tokens: int, seed: int = 0) -> float:
+    """Seconds to prefill a prompt of `tokens` tokens (a new `seed` for each call on the same
+    engine: a prompt seen before is a prefix-cache hit)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(core.model_config.vocab_size) for _ in range(tokens)]
     core.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0))
     sync(core.device)
     t0 = time.perf_counter()
