@@ -43,3 +43,12 @@ def test_other_dtypes_keep_torch_matmul() -> None:
     assert pack_linears(model) == 0
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
     assert "bfloat16" in (why_not_packed(torch.zeros(1, dtype=torch.bfloat16)) or "")
+
+
+def test_a_packed_layer_adds_its_bias_and_matmul_leaves_it_out() -> None:
+    layer = Linear(24, 40, bias=True)
+    x = torch.randn(5, 24)
+    assert pack_linears(torch.nn.Sequential(layer)) == 24 * 40 * 4 and layer.packed is not None
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        torch.testing.assert_close(layer.matmul(x), x @ layer.weight.T)
