@@ -80,6 +80,12 @@ class EngineConfig(BaseModel):
         description="copy full KV blocks to the CPU tier as they fill (once half the GPU pool is in use or a "
         "request waits), so a rotation copies only the tail",
     )
+    cpu_linear: Literal["onednn", "torch"] = Field(
+        "onednn",
+        description="float32 linear layers on the CPU: onednn (each weight reordered once into oneDNN's layout; "
+        "faster at a decode step's row counts, and held beside the dense weight: twice those weights' memory), "
+        "torch (F.linear). Other dtypes and devices always use torch's matmul",
+    )
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
         "auto",
         description="paged attention: triton (the Triton kernels; needs the gpu extra, and on the CPU "

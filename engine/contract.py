@@ -69,6 +69,7 @@ SERVE_FLAGS = (
     "--duplex",
     "--write-through",
     "--no-write-through",
+    "--cpu-linear",
     "--attention-backend",
     "--policy",
     "--max-num-seqs",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.model import DecoderLM, load_model
 from superinfer.engine.model.packed_linear import Linear, pack_linears, why_not_packed
+from tests.test_engine import engine
 from tests.test_model import _our_logits
 
 pytestmark = pytest.mark.skipif(
@@ -52,3 +54,18 @@ def test_a_packed_layer_adds_its_bias_and_matmul_leaves_it_out() -> None:
     with torch.no_grad():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
         torch.testing.assert_close(layer.matmul(x), x @ layer.weight.T)
+
+
+def test_the_engine_packs_by_default_and_cpu_linear_torch_keeps_the_dense_matmul() -> None:
+    outputs = {}
+    for choice in ("onednn", "torch"):
+        core = engine("tiny", engine_process=False, cpu_linear=choice)
+        layers = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
+        assert all((m.packed is not None) == (choice == "onednn") for m in layers)
+        core.add_request("r", list(range(5, 40)), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        tokens: list[int] = []
+        while core.has_work:
+            tokens += [t for out in core.step() for t in out.token_ids]
+        outputs[choice] = tokens
+        core.close()
+    assert len(outputs["onednn"]) == 12 and outputs["onednn"] == outputs["torch"]

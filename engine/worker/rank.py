@@ -144,7 +144,7 @@ def make_runner(
     dtype = next(model.parameters()).dtype
     shape = (loaded.config.num_layers, bs, attn.num_kv_heads, attn.head_dim)
     kv_cache = allocate_kv_cache(num_blocks, *shape, dtype, device, populate=True)
-    packed_bytes = pack_linears(model)
+    packed_bytes = pack_linears(model) if config.cpu_linear == "onednn" else 0
     cpu_cache = None
     block_bytes = kv_block_bytes(loaded, bs)
     if num_cpu_blocks:
