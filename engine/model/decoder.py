@@ -205,7 +205,7 @@ class SelfAttention(nn.Module):
         heads, kv_heads, d = tp.split(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads), cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = heads.length, kv_heads.length, d
         q, kv = heads.times(d), kv_heads.times(d)
-        self.sizes = [q.length, kv.length, kv.length]
+        self.qk_width = q.length + kv.length  # qkv's columns: q, then k, then v
         parts = {"q_proj": q, "k_proj": kv, "v_proj": kv}
         self.qkv_proj = FusedLinear(cfg.hidden_size, parts, bias=cfg.attention_bias, **factory)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.o_proj_bias, tp, **factory)
@@ -215,15 +215,11 @@ class SelfAttention(nn.Module):
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.sizes[0] + self.sizes[1] :].view(t, kv_heads, self.head_dim)
+        qk = qkv[:, : self.qk_width].view(t, heads + kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split(self.sizes, dim=-1)
-            q = self.q_norm(q.view(t, heads, self.head_dim))
-            k = self.k_norm(k.view(t, kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # q and k side by side in qkv: one rotation for both
-            qk = apply_rope(qkv[:, : self.sizes[0] + self.sizes[1]].view(t, heads + kv_heads, self.head_dim), cos, sin)
-            q, k = qk.split((heads, kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        q, k = apply_rope(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation for both
+        v = qkv[:, self.qk_width :].view(t, kv_heads, self.head_dim)
         out = attn(layer, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

@@ -42,9 +42,7 @@ class Linear(nn.Linear):
 
 
 def why_not_packed(weight: Tensor) -> str | None:
-    """Why this weight keeps torch's matmul, or None when oneDNN can take it."""
-    if weight.device.type != "cpu":
-        return f"the weight is on {weight.device.type}"
+    """Why this CPU weight keeps torch's matmul, or None when oneDNN can take it."""
     if weight.dtype != torch.float32:
         return f"{weight.dtype} weights stay on torch's matmul"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -54,9 +52,10 @@ def why_not_packed(weight: Tensor) -> str | None:
 
 def pack_linears(model: nn.Module) -> int:
     """Give every `Linear` of a CPU float32 model its oneDNN-packed weight; returns the bytes added
-    (0 when it keeps torch's matmul, with the reason logged). Call after the weights are loaded."""
+    (0 when it keeps torch's matmul: silently off the CPU, else with the reason logged). Call after
+    the weights are loaded."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    if not layers:
+    if not layers or layers[0].weight.device.type != "cpu":
         return 0
     problem = why_not_packed(layers[0].weight)
     if problem is None:
@@ -69,8 +68,7 @@ def pack_linears(model: nn.Module) -> int:
         except RuntimeError as e:
             problem = f"oneDNN refused the weights ({e})"
     if problem is not None:
-        if layers[0].weight.device.type == "cpu":
-            log.info("linear layers: torch's matmul (%s)", problem)
+        log.info("linear layers: torch's matmul (%s)", problem)
         return 0
     for m, w in zip(layers, packed, strict=True):
         m.packed = w
