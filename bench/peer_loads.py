@@ -1,7 +1,8 @@
 """The four loads of the vLLM peer benchmark, as seeded request lists, and the figures each reports.
 
 - batch1: one request at a time (closed loop): TPOT and TTFT of an unloaded server.
-- saturation: every request at once with ample KV: output tokens/s.
+- saturation: every request at once with ample KV (the server's default SLO, TBT 100 ms): output
+  tokens/s, and TBT attainment (what SLO-aware admission spends throughput on).
 - hol: long decodes fill the KV budget, then a burst of short requests arrives (TTFT SLO 1 s,
   TBT 100 ms): the short requests' TTFT attainment, output tokens/s, rotations.
 - poisson: two classes on Poisson arrivals at a rate that exhausts the KV budget: 70%
@@ -125,6 +126,8 @@ def figures(
             "ttft_p50_ms": every["ttft_p50_ms"],
             "ms_per_token_p50": percentile([ms_per_token(t) for t in timings if t.token_times], 50),
         }
+        if load == "saturation":  # what SLO-aware admission trades its throughput for
+            out |= {"tbt_attainment": every["tbt_attainment"], "tbt_p99_ms": every["tbt_p99_ms"]}
     elif load == "hol":
         short = summarize(of_label(items, timings, "short"))
         out |= {

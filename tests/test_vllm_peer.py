@@ -181,6 +181,17 @@ def test_hol_figures_judge_the_short_requests_only():
     assert "rotations" not in figures("hol", work, timings, 4.0, rotations=None, preemptions=0.0)
 
 
+def test_saturation_figures_count_the_requests_whose_gaps_broke_tbt():
+    slo = SLO()  # the server's default: TBT 100 ms
+    work = items("saturation", LoadShape(saturation_requests=4), 0)
+    # the third request waits 250 ms between two of its tokens (a long prefill step)
+    smooth = [timing(0, 0.1, 0.01, 8, slo)] * 2
+    stalled = RequestTiming(0, (0.1, 0.11, 0.36, 0.37), slo)
+    figs = figures("saturation", work, [*smooth, stalled, *smooth[:1]], 1.0, None, 0.0)
+    assert figs["tbt_attainment"] == 0.75
+    assert figs["tbt_p99_ms"] > slo.tbt_ms  # one gap in 24 is 250 ms
+
+
 def test_poisson_figures_per_class_and_rotations_per_request():
     work = mixed_workload(CLASSES, rate=4.0, duration_s=5.0, seed=0)
     slow = {"interactive": 0.7, "batch": 0.7}  # TTFT 700 ms: misses interactive (500), meets batch (10 s)
