@@ -5,14 +5,21 @@ request fits (decode steady state) and memory contention (half the requests cann
 rotary policy ranks, rotates and swaps every step).
 
     python -m bench.sched [--live 256,1024,4096] [--steps 50] [--tag T]
+    python -m bench.sched --vllm-python .venv-vllm/bin/python   # vLLM's v1 scheduler beside ours
+
+With --vllm-python, bench/vllm_sched.py runs the same situations through vLLM's own scheduler
+in that venv (`make vllm-env`), in the same run, and the record holds both.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 from superinfer.bench.record import write_result
 from superinfer.engine.core.kv import KVCacheManager
@@ -41,14 +48,25 @@ def build(policy: str, live: int, contention: bool, seed: int = 0) -> Scheduler:
 def time_steps(sched: Scheduler, steps: int) -> list[float]:
     for _ in range(5):  # warm up: prefill everything that fits
         plan = sched.schedule()
-        sched.update(plan, {s.request_id: 7 for s in plan.seqs if s.sample})
+        sched.update(plan, dict.fromkeys(plan.sampled_ids(), 7))
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
-        sched.update(plan, {s.request_id: 7 for s in plan.seqs if s.sample})
+        sched.update(plan, dict.fromkeys(plan.sampled_ids(), 7))
         out.append(time.perf_counter() - t0)
     return out
+
+
+def vllm_figures(python: str, live: str, steps: int) -> dict[str, dict[str, float]]:
+    """vLLM's scheduler in the same situations (bench/vllm_sched.py, run by a vLLM venv's python)."""
+    script = Path(__file__).with_name("vllm_sched.py")
+    cmd = [python, str(script), "--live", live, "--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+    print(out.stderr, end="", flush=True)
+    return json.loads(out.stdout)["figures"]
 
 
 def main() -> None:
@@ -56,6 +74,7 @@ def main() -> None:
     parser.add_argument("--live", default="256,1024,4096")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--tag", default="", help="names a variant run's results file (sched-TAG-cpu-DATE.json)")
+    parser.add_argument("--vllm-python", help="python of a venv with vLLM: time its scheduler too")
     args = parser.parse_args()
     figures: dict[str, dict[str, float]] = {}
     for contention in (False, True):
@@ -71,6 +90,8 @@ def main() -> None:
                     f"{key:28s} median {figures[key]['median_ms']:7.2f} ms  p90 {figures[key]['p90_ms']:7.2f} ms",
                     flush=True,
                 )
+    if args.vllm_python:
+        figures |= vllm_figures(args.vllm_python, args.live, args.steps)
     goal = {"median_ms_at_1024": "<= 0.5 (the reference spends 7.6 ms)"}
     print(f"wrote {write_result('sched', 'cpu', figures, goal, tag=args.tag)}")
 

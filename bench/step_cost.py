@@ -38,9 +38,9 @@ class StepCost:
     per_block_in_s: float = 0.0001  # CPU -> GPU
 
     def compute(self, plan: StepPlan) -> float:
-        if not plan.seqs:
+        if not plan.num_seqs:
             return 0.0
-        return self.base_s + self.per_token_s * plan.num_tokens + self.per_seq_s * len(plan.seqs)
+        return self.base_s + self.per_token_s * plan.num_tokens + self.per_seq_s * plan.num_seqs
 
 
 @dataclass

@@ -56,16 +56,13 @@ class RooflineCost(StepCost):
         return read / (hw.hbm_bw * hw.hbm_efficiency), flops / (hw.peak_flops * hw.flops_efficiency)
 
     def compute(self, plan: StepPlan) -> float:
-        if not plan.seqs:
+        if not plan.num_seqs:
             return 0.0
-        tokens = context = 0
-        attended = 0.0
-        for s in plan.seqs:
-            n = len(s.token_ids)
-            tokens += n
-            context += s.start_pos + n
-            attended += n * (s.start_pos + (n + 1) / 2)  # causal: the i-th new token sees start_pos + i
-        memory, flops = self.terms(tokens, context, attended)
+        context = plan.num_context_tokens
+        # causal: the i-th new token sees start_pos + i (a decode row sees start_pos + 1)
+        attended = sum(len(s.token_ids) * (s.start_pos + (len(s.token_ids) + 1) / 2) for s in plan.seqs)
+        attended += sum(plan.decodes.start_pos) + len(plan.decodes)
+        memory, flops = self.terms(plan.num_tokens, context, attended)
         return self.base_s + max(memory, flops)
 
 
@@ -100,9 +97,9 @@ class CalibratedCost(StepCost):
     rng: random.Random = field(default_factory=lambda: random.Random(0), compare=False, repr=False)
 
     def compute(self, plan: StepPlan) -> float:
-        if not plan.seqs:
+        if not plan.num_seqs:
             return 0.0
-        context = sum(s.start_pos + len(s.token_ids) for s in plan.seqs)
+        context = plan.num_context_tokens
         seconds = super().compute(plan) + self.per_kcontext_s * context / 1000.0
         return seconds * self._ratio() if self.spread else seconds
 

@@ -90,7 +90,7 @@ def simulate(
 
     def collect(plan: StepPlan, done: float) -> None:
         clock.now = max(clock.now, done)
-        sampled = {s.request_id: SAMPLED_TOKEN for s in plan.seqs if s.sample}
+        sampled = dict.fromkeys(plan.sampled_ids(), SAMPLED_TOKEN)
         now = clock.now
         for req in sched.update(plan, sampled):
             token_times[req.request_id].append(now)

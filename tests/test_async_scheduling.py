@@ -127,15 +127,15 @@ def test_pending_token_is_a_placeholder_and_arrives_later():
     s.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0), 0.0))
     prefill = s.schedule()
     decode = s.schedule()  # planned before the prefill's token is known
-    (seq,) = decode.seqs
+    (seq,) = decode.all_seqs()
     assert seq.token_ids == [PLACEHOLDER] and seq.start_pos == 3 and seq.sample
     s.update(prefill, {"a": 7})
     assert s.requests["a"].output_token_ids == [7]
     third = s.schedule()
     s.update(decode, {"a": 8})
-    assert third.seqs[0].token_ids == [PLACEHOLDER] and third.seqs[0].start_pos == 4
+    assert third.all_seqs()[0].token_ids == [PLACEHOLDER] and third.all_seqs()[0].start_pos == 4
     fourth = s.schedule()
-    assert fourth.seqs == [], "its pending token is its last (max_tokens): not scheduled again"
+    assert fourth.all_seqs() == [], "its pending token is its last (max_tokens): not scheduled again"
     s.update(third, {"a": 9})
     s.update(fourth, {})
     assert s.requests == {} and s.kv.num_free_blocks == 8

@@ -39,7 +39,7 @@ def make_scheduler(
 
 def step(s: Scheduler, token: int = 5):
     plan = s.schedule()
-    s.update(plan, {seq.request_id: token for seq in plan.seqs if seq.sample})
+    s.update(plan, dict.fromkeys(plan.sampled_ids(), token))
     return plan
 
 
@@ -56,13 +56,13 @@ def test_chunked_prefill_splits_across_steps_and_samples_once():
     s = make_scheduler(budget=10)
     s.add(make_request("a", 25))
     plans = [step(s) for _ in range(3)]
-    assert [p.seqs[0].num_tokens for p in plans] == [10, 10, 5]
-    assert [p.seqs[0].start_pos for p in plans] == [0, 10, 20]
-    assert [p.seqs[0].sample for p in plans] == [False, False, True]
+    assert [p.all_seqs()[0].num_tokens for p in plans] == [10, 10, 5]
+    assert [p.all_seqs()[0].start_pos for p in plans] == [0, 10, 20]
+    assert [p.all_seqs()[0].sample for p in plans] == [False, False, True]
     req = s.requests["a"]
     assert req.output_token_ids == [5] and req.num_computed_tokens == 25
     nxt = step(s)
-    assert nxt.seqs[0].token_ids == [5] and nxt.seqs[0].start_pos == 25
+    assert nxt.all_seqs()[0].token_ids == [5] and nxt.all_seqs()[0].start_pos == 25
 
 
 def test_running_decodes_come_before_new_prefills_in_one_step():
@@ -71,7 +71,7 @@ def test_running_decodes_come_before_new_prefills_in_one_step():
     step(s)
     s.add(make_request("b", 30))
     plan = step(s)
-    assert [(q.request_id, q.num_tokens) for q in plan.seqs] == [("a", 1), ("b", 11)]
+    assert {q.request_id: q.num_tokens for q in plan.all_seqs()} == {"a": 1, "b": 11}  # b gets what a leaves
     assert plan.num_tokens <= 12
 
 
@@ -80,7 +80,7 @@ def test_max_num_seqs_limits_admission():
     for rid in "abc":
         s.add(make_request(rid, 3))
     plan = step(s)
-    assert [q.request_id for q in plan.seqs] == ["a", "b"]
+    assert [q.request_id for q in plan.all_seqs()] == ["a", "b"]
     assert s.num_waiting == 1
 
 
@@ -109,9 +109,9 @@ def test_preempted_request_recomputes_prompt_and_outputs(prefix):
         if not s.has_work:
             break
         plan = s.schedule()
-        for q in plan.seqs:
+        for q in plan.all_seqs():
             starts[q.request_id].append(q.start_pos)
-        s.update(plan, {q.request_id: 5 for q in plan.seqs if q.sample})
+        s.update(plan, dict.fromkeys(plan.sampled_ids(), 5))
     assert not s.has_work and s.kv.num_free_blocks == 5
     assert s.counters.preemptions["recompute"] >= 1
     restarts = [p for prev, p in itertools.pairwise(starts["b"]) if p <= prev]
@@ -130,7 +130,7 @@ def test_prefix_cache_hit_reuses_full_blocks_but_not_the_last_token():
     plan = step(s)
     b = s.requests["b"]
     assert b.num_cached_tokens == 12  # 3 full blocks of 4; token 13 is computed
-    seq_b = next(q for q in plan.seqs if q.request_id == "b")
+    seq_b = next(q for q in plan.all_seqs() if q.request_id == "b")
     assert seq_b.start_pos == 12 and seq_b.num_tokens == 1
     assert b.block_ids[:3] == s.requests["a"].block_ids[:3]
     assert all(s.kv.pool.ref_cnt[blk] == 2 for blk in b.block_ids[:3])
@@ -272,7 +272,7 @@ def test_block_accounting_over_random_workloads(ops, num_blocks, budget, prefix)
         elif op[0] == "step":
             plan = s.schedule()
             assert plan.num_tokens <= budget
-            for req in s.update(plan, {q.request_id: op[1] for q in plan.seqs if q.sample}):
+            for req in s.update(plan, dict.fromkeys(plan.sampled_ids(), op[1])):
                 if req.is_finished:
                     ended[req.request_id] = req.finish_reason
         check_invariants(s)
@@ -280,7 +280,7 @@ def test_block_accounting_over_random_workloads(ops, num_blocks, budget, prefix)
         if not s.has_work:
             break
         plan = s.schedule()
-        for req in s.update(plan, {q.request_id: 9 for q in plan.seqs if q.sample}):
+        for req in s.update(plan, dict.fromkeys(plan.sampled_ids(), 9)):
             if req.is_finished:
                 ended[req.request_id] = req.finish_reason
         check_invariants(s)

@@ -41,7 +41,7 @@ class Clock:
 
 def check_rules(plan: StepPlan, block_size: int, xfer: int) -> None:
     out_src, in_dst = {g for g, _ in plan.swap_out}, {g for _, g in plan.swap_in}
-    written = {q.block_ids[p // block_size] for q in plan.seqs for p in range(q.start_pos, q.context_len)}
+    written = {q.block_ids[p // block_size] for q in plan.all_seqs() for p in range(q.start_pos, q.context_len)}
     assert not out_src & in_dst, "a GPU block is both copy source and destination"
     assert not out_src & written, "a block is copied out while this step writes it"
     assert not {c for _, c in plan.swap_out} & {c for c, _ in plan.swap_in}, "a CPU block is both dest and source"
@@ -54,7 +54,7 @@ def check_pipelined(plan: StepPlan, in_flight: StepPlan, block_size: int) -> Non
     waits for that copy-out."""
     copied_out = {g for g, _ in in_flight.swap_out}
     copied_in = {g for _, g in plan.swap_in}  # compute waits for the copy-in that writes these first
-    written = {q.block_ids[p // block_size] for q in plan.seqs for p in range(q.start_pos, q.context_len)}
+    written = {q.block_ids[p // block_size] for q in plan.all_seqs() for p in range(q.start_pos, q.context_len)}
     if (written - copied_in) & copied_out:
         assert plan.compute_after_copy >= in_flight.step_id, "compute writes a block under a copy-out, without waiting"
     if copied_in & copied_out:
@@ -80,7 +80,7 @@ def apply(
     for c, g in plan.swap_in:
         gpu[g] = list(cpu[c])
     sampled = {}
-    for q in plan.seqs:
+    for q in plan.all_seqs():
         t = truth[q.request_id]
         fed = list(q.token_ids)
         if fed[-1] == PLACEHOLDER:

@@ -41,7 +41,7 @@ def rotary_scheduler(num_blocks=16, num_cpu_blocks=64, budget=64, xfer=2400, max
 
 def step(s: Scheduler, token: int = 5):
     plan = s.schedule()
-    s.update(plan, {q.request_id: token for q in plan.seqs if q.sample})
+    s.update(plan, dict.fromkeys(plan.sampled_ids(), token))
     return plan
 
 
@@ -179,7 +179,7 @@ def test_no_contention_is_plain_fcfs_and_rotates_nothing():
         s.add(make_request(f"r{i}", 6, max_tokens=4))
     clock.now = 10.0
     plan = step(s)
-    assert [q.request_id for q in plan.seqs] == ["r0", "r1", "r2", "r3"]
+    assert [q.request_id for q in plan.all_seqs()] == ["r0", "r1", "r2", "r3"]
     assert not plan.swap_out and s.counters.rotations == 0
 
 
@@ -259,7 +259,7 @@ def thrash_run(min_residency_s: float) -> tuple[int, int]:
     tokens = 0
     while s.has_work:
         plan = step(s)
-        tokens += sum(q.sample for q in plan.seqs)
+        tokens += sum(q.sample for q in plan.all_seqs())
         clock.now += 0.02
     return s.counters.rotations, tokens
 
@@ -387,7 +387,7 @@ def test_two_tier_invariants_over_random_workloads(ops, num_blocks, cpu_blocks, 
                 ended.add(req.request_id)
         assert not gpu & set(s.kv.pool.free), "a block the in-flight step's copies touch was freed for reuse"
         assert not cpu & set(s.kv.cpu.free), "a CPU block the in-flight step's copies touch was freed for reuse"
-        for req in s.update(plan, {q.request_id: 7 for q in plan.seqs if q.sample}):
+        for req in s.update(plan, dict.fromkeys(plan.sampled_ids(), 7)):
             if req.is_finished:
                 ended.add(req.request_id)
         clock.now += 0.01

@@ -48,7 +48,7 @@ class ReferenceScheduler(Scheduler):
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            if self.ends_after_pending(req):
+            if req.ends_after_pending():
                 i += 1
                 continue
             n = min(self.next_tokens(req), step.budget)
@@ -71,19 +71,24 @@ class ReferenceScheduler(Scheduler):
         token_ids += [PLACEHOLDER] * (n - len(token_ids))
         sample = req.num_computed_tokens == req.num_scheduled_tokens
         banned = req.banned_token_ids() if sample else ()
-        step.seqs.append(
-            ScheduledSeq(
-                req.request_id,
-                token_ids,
-                start,
-                list(req.block_ids),
-                sample,
-                req.sampling,
-                banned,
-                req.prompt_token_ids,
+        if n == 1 and sample and not req.sampling.min_tokens:  # the plan's format: a decode row
+            step.decode_tokens.append(token_ids[0])
+            step.decode_starts.append(start)
+            step.decoded.append(req)
+        else:
+            step.seqs.append(
+                ScheduledSeq(
+                    req.request_id,
+                    token_ids,
+                    start,
+                    list(req.block_ids),
+                    sample,
+                    req.sampling,
+                    banned,
+                    req.prompt_token_ids,
+                )
             )
-        )
-        step.requests.append(req)
+            step.requests.append(req)
         if sample:
             req.num_pending_tokens += 1
 
@@ -92,6 +97,7 @@ class ReferenceScheduler(Scheduler):
         if not (pressed or self.waiting or self.rotary):
             return
         start_pos = {seq.request_id: seq.start_pos for seq in step.seqs}
+        start_pos |= {req.request_id: start for req, start in zip(step.decoded, step.decode_starts, strict=True)}
         order: list[Request] = []
         done: dict[str, int] = {}
         total = 0
@@ -166,13 +172,14 @@ class ReferenceScheduler(Scheduler):
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
-        if plan.seqs:
-            context = sum(seq.context_len for seq in plan.seqs)
+        seqs = plan.all_seqs()
+        if seqs:
+            context = sum(seq.context_len for seq in seqs)
             shape = StepShape(plan.num_tokens, context)
             self.step_time.observe(shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
         touched = []
-        for req, seq in zip(submitted.requests, plan.seqs, strict=True):
+        for req, seq in zip(submitted.requests + submitted.decoded, seqs, strict=True):
             if seq.sample:
                 req.num_pending_tokens -= 1
             if req.is_finished:
@@ -189,7 +196,7 @@ class ReferenceScheduler(Scheduler):
                 req.token_gaps.append(gap)
                 req.max_gap_s = max(req.max_gap_s, gap)
             req.t_last_token = now
-            reason = req.stop_reason(self.config.max_model_len)
+            reason = req.stop_reason()
             if reason is not None:
                 self._finish(req, reason)
             touched.append(req)
@@ -320,7 +327,7 @@ def policy_pair(kind: str, gpu_blocks: int, xfer: int):
 def plan_digest(plan: StepPlan) -> tuple:
     seqs = [
         (q.request_id, tuple(q.token_ids), q.start_pos, tuple(q.block_ids), q.sample, q.sampling, q.banned_token_ids)
-        for q in plan.seqs
+        for q in sorted(plan.all_seqs(), key=lambda q: q.request_id)
     ]
     return (
         plan.step_id,
@@ -329,7 +336,7 @@ def plan_digest(plan: StepPlan) -> tuple:
         tuple(plan.swap_in),
         plan.swap_out_after,
         plan.swap_in_after,
-        tuple(plan.released),
+        tuple(sorted(plan.released)),
         plan.num_tokens,
     )
 
@@ -431,10 +438,10 @@ def run_both(seed: int) -> Scheduler:
         while len(in_flight) > in_flight_limit:
             plans = in_flight.pop(0)
             tick(rng.choice([0.0, 0.002, 0.02]))
-            sampled = {
-                q.request_id: rng.choice([eos, 7, 8, 9, 9, rng.randrange(3, 50)]) for q in plans[0].seqs if q.sample
-            }
-            touched = [[r.request_id for r in s.update(plan, sampled)] for s, plan in zip(both, plans, strict=True)]
+            sampled = {rid: rng.choice([eos, 7, 8, 9, 9, rng.randrange(3, 50)]) for rid in plans[0].sampled_ids()}
+            touched = [
+                sorted(r.request_id for r in s.update(plan, sampled)) for s, plan in zip(both, plans, strict=True)
+            ]
             assert touched[0] == touched[1]
         assert state_digest(fast) == state_digest(ref)
         check_swap_in_index(fast)

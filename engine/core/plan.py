@@ -36,10 +36,38 @@ class ScheduledSeq:
         return self.start_pos + len(self.token_ids)
 
 
+@dataclass(slots=True)
+class DecodeRows:
+    """Plain decodes in columns: row i feeds one token, token_ids[i] (or PLACEHOLDER), at
+    start_pos[i] and samples the next, for a request without min_tokens (nothing banned). Every
+    such row of a step is here, the other rows are ScheduledSeqs. Most of a step's requests at
+    scale, so no object is built per row; `seqs()` builds them for tools and tests."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    start_pos: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # each request's whole GPU block table
+    sampling: list[SamplingParams] = field(default_factory=list)
+    prompt_token_ids: list[list[int] | tuple[()]] = field(default_factory=list)  # shared, not copied
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def seqs(self) -> list[ScheduledSeq]:
+        columns = (self.request_ids, self.token_ids, self.start_pos, self.block_ids, self.sampling)
+        return [
+            ScheduledSeq(rid, [token], start, blocks, True, sampling, (), prompt)
+            for (rid, token, start, blocks, sampling), prompt in zip(
+                zip(*columns, strict=True), self.prompt_token_ids, strict=True
+            )
+        ]
+
+
 @dataclass(frozen=True)
 class StepPlan:
     step_id: int
-    seqs: list[ScheduledSeq]
+    seqs: list[ScheduledSeq]  # prefill chunks, and decodes that need an entry of their own
+    decodes: DecodeRows = field(default_factory=DecodeRows)
     # Block copies between tiers, (src, dst) pairs; executed before the model step reads them.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # GPU block -> CPU block
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # CPU block -> GPU block
@@ -56,8 +84,26 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
+        return sum(s.num_tokens for s in self.seqs) + len(self.decodes)
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens every request of the step attends to, its new ones included, in all."""
+        return sum(s.context_len for s in self.seqs) + sum(self.decodes.start_pos) + len(self.decodes)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs) + len(self.decodes)
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in
+        return not self.seqs and not self.decodes and not self.swap_out and not self.swap_in
+
+    def all_seqs(self) -> list[ScheduledSeq]:
+        """Every request of the step as a ScheduledSeq, the decode rows last (for tools and tests:
+        the runner and the scheduler read `seqs` and `decodes` as they are)."""
+        return self.seqs + self.decodes.seqs()
+
+    def sampled_ids(self) -> list[str]:
+        """The requests that sample a token in this step, in the runner's row order."""
+        return [s.request_id for s in self.seqs if s.sample] + self.decodes.request_ids

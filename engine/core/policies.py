@@ -289,7 +289,7 @@ class RotaryPolicy:
             stayed >= residency_s
             and req.status is RequestStatus.RUNNING
             and req.in_decode
-            and not sched.ends_after_pending(req)
+            and not req.ends_after_pending()
         )
 
     def rank(self, requests: Sequence[Request], now: float) -> list[Request]:
@@ -320,7 +320,7 @@ class WatermarkPolicy:
         for r in sorted(sched.running, key=lambda r: r.t_run or 0.0):
             if free >= self.watermark_blocks:
                 break
-            if r.in_decode and not sched.ends_after_pending(r):
+            if r.in_decode and not r.ends_after_pending():
                 rotate_out.append(r)
                 free += sched.kv.owned_blocks(r)
         return Decision(rotate_out, by_arrival([*sched.waiting, *sched.rotary]))

@@ -81,7 +81,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -112,11 +112,19 @@ class Request:
     token_gaps: list[float] = field(default_factory=list)  # seconds between its output tokens
     max_gap_s: float = 0.0  # the longest of them (checked every step, so kept, not recomputed)
     t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
+    token_ids: list[int] = field(init=False)  # prompt, then output
+    # Tokens at which it ends by length: max_tokens out, or the context length once the scheduler
+    # that takes it caps this (Scheduler.add).
+    length_limit: int = field(init=False)
+    stop_token_set: frozenset[int] = field(init=False)  # may stop it (EOS unless ignored, stop ids)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
-        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+        self.length_limit = len(self.prompt_token_ids) + self.sampling.max_tokens
+        eos = frozenset() if self.sampling.ignore_eos else self.eos_token_ids
+        self.stop_token_set = eos | frozenset(self.sampling.stop_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -161,14 +169,11 @@ class Request:
         eos = () if self.sampling.ignore_eos else tuple(self.eos_token_ids)
         return eos + self.sampling.stop_token_ids
 
-    def ends_after_pending(self, max_model_len: int) -> bool:
+    def ends_after_pending(self) -> bool:
         """Its pending tokens reach max_tokens or the context length: it stops whatever they are."""
-        if not self.num_pending_tokens:
-            return False
-        total = self.num_scheduled_tokens
-        return total - self.num_prompt_tokens >= self.sampling.max_tokens or total >= max_model_len
+        return self.num_pending_tokens > 0 and self.num_scheduled_tokens >= self.length_limit
 
-    def stop_reason(self, max_model_len: int) -> FinishReason | None:
+    def stop_reason(self) -> FinishReason | None:
         """Why the request must stop after its newest token, if it must (stop strings aside)."""
         if not self.output_token_ids:
             return None
@@ -178,6 +183,6 @@ class Request:
                 return FinishReason.STOP
             if last in self.sampling.stop_token_ids:
                 return FinishReason.STOP
-        if self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_tokens >= self.length_limit:
             return FinishReason.LENGTH
         return None

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from superinfer.engine.core.kv import KVCacheManager
-from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
+from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
@@ -90,6 +90,7 @@ class _Submitted:
     """What update() needs of a planned step."""
 
     requests: list[Request]  # the request of each seq
+    decoded: list[Request]  # the request of each decode row
     planned_at: float
     shape: StepShape
 
@@ -104,6 +105,10 @@ class _Step:
     transfer_left: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)  # the request of each seq
+    # Plain decodes, in rows: their token and position now, the other columns once planned.
+    decoded: list[Request] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)
+    decode_starts: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out_after: int = 0  # see StepPlan
@@ -155,6 +160,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already live")
         self.check_fits(req.num_prompt_tokens, req.sampling.max_tokens)
+        req.length_limit = min(req.length_limit, self.config.max_model_len)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -188,10 +194,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.requests)
-
-    def ends_after_pending(self, req: Request) -> bool:
-        """Its pending tokens end it by length: scheduling it again would only waste a step."""
-        return req.ends_after_pending(self.config.max_model_len)
 
     @property
     def num_running(self) -> int:
@@ -231,7 +233,6 @@ class Scheduler:
         decision = self.policy.decide(self, step.now)
         if decision.token_budget is not None:
             step.budget = min(step.budget, decision.token_budget)
-        budget = step.budget
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
@@ -243,13 +244,19 @@ class Scheduler:
         if step.writes_through:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran
-        tokens = budget - step.budget
-        context = sum(map(attrgetter("start_pos"), step.seqs)) + tokens
-        self._submitted[step.id] = _Submitted(step.requests, step.now, StepShape(tokens, context))
         released, self._released = self._released, []
-        return StepPlan(
+        decoded = step.decoded
+        plan = StepPlan(
             step_id=step.id,
             seqs=step.seqs,
+            decodes=DecodeRows(
+                [r.request_id for r in decoded],
+                step.decode_tokens,
+                step.decode_starts,
+                [r.block_ids for r in decoded],
+                [r.sampling for r in decoded],
+                [r.prompt_token_ids for r in decoded],
+            ),
             swap_out=step.swap_out,
             swap_in=step.swap_in,
             swap_out_after=step.swap_out_after,
@@ -258,6 +265,9 @@ class Scheduler:
             compute_after_copy=self.kv.pool.copy_fence_taken,
             released=released,
         )
+        shape = StepShape(plan.num_tokens, plan.num_context_tokens)
+        self._submitted[step.id] = _Submitted(step.requests, decoded, step.now, shape)
+        return plan
 
     def _serve_running(self, step: _Step) -> None:
         running, kv = self.running, self.kv
@@ -277,38 +287,34 @@ class Scheduler:
             i = self._serve_decodes(i, step)
 
     def _serve_decodes(self, i: int, step: _Step) -> int:
-        """Serve running[i:] while they are plain decodes (one token, and a block for it), skipping
-        those whose pending token ends them; returns where it stopped (a prefill chunk, or no free
-        block: the general path evicts). The bulk of a step with thousands of running requests:
-        _take(req, 1, step) and Request.ends_after_pending inlined, locals hoisted."""
-        running, kv, max_len = self.running, self.kv, self.config.max_model_len
-        bs = kv.block_size
-        seqs, requests, budget = step.seqs, step.requests, step.budget
+        """Serve running[i:] while they are plain decodes (one token, a block for it, nothing to
+        ban), as decode rows, skipping those whose pending token ends them; returns where it
+        stopped (a prefill chunk, a decode under min_tokens, or no free block: the general path
+        takes it, and evicts). The bulk of a step with thousands of running requests:
+        Request.ends_after_pending inlined, locals hoisted, and no object built per row."""
+        running, kv = self.running, self.kv
+        bs, step_id = kv.block_size, step.id
+        decoded, tokens, starts, budget = step.decoded, step.decode_tokens, step.decode_starts, step.budget
         unwritten, writes_through = self._unwritten, step.writes_through
         while i < len(running) and budget > 0:
             req = running[i]
             start, pending = req.num_computed_tokens, req.num_pending_tokens
             total = len(req.token_ids) + pending
-            if pending and (total - len(req.prompt_token_ids) >= req.sampling.max_tokens or total >= max_len):
-                i += 1  # req.ends_after_pending(max_len)
+            if pending and total >= req.length_limit:
+                i += 1  # req.ends_after_pending(): scheduling it again would only waste a step
                 continue
-            if total - start != 1:
+            if total - start != 1 or req.sampling.min_tokens:
                 break
             if start >= len(req.block_ids) * bs and not kv.allocate(req, 1):
                 break  # allocate changed nothing
             req.num_computed_tokens = start + 1
-            req.step_before_last, req.last_step = req.last_step, step.id
+            req.step_before_last, req.last_step = req.last_step, step_id
             budget -= 1
             if writes_through and (req in unwritten or (start + 1) % bs == 0):
                 self._track_filled(req, start, start + 1, step)
-            token = PLACEHOLDER if pending else req.token_ids[start]
-            banned = req.banned_token_ids() if req.sampling.min_tokens else ()
-            seqs.append(
-                ScheduledSeq(
-                    req.request_id, [token], start, req.block_ids, True, req.sampling, banned, req.prompt_token_ids
-                )
-            )
-            requests.append(req)
+            tokens.append(PLACEHOLDER if pending else req.token_ids[start])
+            starts.append(start)
+            decoded.append(req)
             req.num_pending_tokens = pending + 1
             i += 1
         step.budget = budget
@@ -397,28 +403,34 @@ class Scheduler:
         token; one that finished since (abort, stop string, EOS) drops it."""
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
-        if plan.seqs:
+        if plan.seqs or plan.decodes:
             # With async scheduling the step was planned while the one before it still ran.
             self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
         touched = []
-        # Hot at thousands of requests: Request.append_token and stop_reason are inlined, and
-        # commit_full_blocks is called only when the step filled a block.
-        max_len, bs, caching = self.config.max_model_len, self.kv.block_size, self.kv.enable_prefix_caching
+        # Hot at thousands of requests: Request.append_token and stop_reason are inlined (the
+        # latter behind one check), and commit_full_blocks is called only when a block filled.
+        bs, caching = self.kv.block_size, self.kv.enable_prefix_caching
         running, finished, rotary = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ROTARY
-        for req, seq in zip(submitted.requests, plan.seqs, strict=True):
-            sample = seq.sample
+        seqs, decodes = plan.seqs, plan.decodes
+        rows = zip(
+            submitted.requests + submitted.decoded,
+            [s.start_pos for s in seqs] + decodes.start_pos,
+            [len(s.token_ids) for s in seqs] + [1] * len(decodes),
+            [s.sample for s in seqs] + [True] * len(decodes),
+            strict=True,
+        )
+        for req, start, n, sample in rows:
             if sample:
                 req.num_pending_tokens -= 1
             status = req.status
             if status is finished:
                 continue
-            start, n = seq.start_pos, len(seq.token_ids)
             if caching and status is running and start % bs + n >= bs:  # the step filled a block
                 self.kv.commit_full_blocks(req, start, start + n)
             if not sample:
                 continue
-            token = sampled[seq.request_id]
+            token = sampled[req.request_id]
             req.output_token_ids.append(token)
             req.token_ids.append(token)
             if req.t_first_token is None:
@@ -432,14 +444,8 @@ class Scheduler:
                     if lost_now:
                         self._split_rotary()
             req.t_last_token = now
-            sp = req.sampling
-            if (
-                len(req.output_token_ids) >= sp.max_tokens
-                or len(req.token_ids) >= max_len
-                or token in req.eos_token_ids
-                or token in sp.stop_token_ids
-            ):  # it may have to stop: stop_reason knows when
-                reason = req.stop_reason(max_len)
+            if token in req.stop_token_set or len(req.token_ids) >= req.length_limit:
+                reason = req.stop_reason()
                 if reason is not None:
                     self._finish(req, reason)
             touched.append(req)
@@ -465,13 +471,18 @@ class Scheduler:
         if len(token_ids) < n:
             token_ids += [PLACEHOLDER] * (n - len(token_ids))
         sample = end == len(req.token_ids) + req.num_pending_tokens
-        banned = req.banned_token_ids() if sample and req.sampling.min_tokens else ()
-        step.seqs.append(
-            ScheduledSeq(
-                req.request_id, token_ids, start, req.block_ids, sample, req.sampling, banned, req.prompt_token_ids
+        if n == 1 and sample and not req.sampling.min_tokens:  # a decode row (see DecodeRows)
+            step.decode_tokens.append(token_ids[0])
+            step.decode_starts.append(start)
+            step.decoded.append(req)
+        else:
+            banned = req.banned_token_ids() if sample and req.sampling.min_tokens else ()
+            step.seqs.append(
+                ScheduledSeq(
+                    req.request_id, token_ids, start, req.block_ids, sample, req.sampling, banned, req.prompt_token_ids
+                )
             )
-        )
-        step.requests.append(req)
+            step.requests.append(req)
         if sample:
             req.num_pending_tokens += 1
 

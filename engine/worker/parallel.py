@@ -70,7 +70,8 @@ def join_group(device: torch.device, rank: int, size: int, store: dist.Store) ->
 def wire_plan(plan: StepPlan) -> StepPlan:
     """The plan as the workers need it: prompts only where prompt logprobs are computed."""
     seqs = [s if s.sampling.prompt_logprobs is not None else replace(s, prompt_token_ids=()) for s in plan.seqs]
-    return replace(plan, seqs=seqs)
+    decodes = replace(plan.decodes, prompt_token_ids=[()] * len(plan.decodes))  # a decode scores no prompt
+    return replace(plan, seqs=seqs, decodes=decodes)
 
 
 class Workers:

@@ -17,10 +17,12 @@ import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
-from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
+from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
+from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.worker.attention import SeqSpan, attention_backend
 from superinfer.engine.worker.device_tensor import device_tensor
@@ -103,6 +105,29 @@ class _StepInputs:
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class SampleRows:
+    """The step's sampled rows in order, in columns: its seqs that sample, then its decode rows."""
+
+    request_ids: list[str]
+    sampling: list[SamplingParams]
+    prompt_token_ids: list[list[int] | tuple[()]]
+    banned_token_ids: list[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> SampleRows:
+        seqs, d = [s for s in plan.seqs if s.sample], plan.decodes
+        return cls(
+            plan.sampled_ids(),
+            [s.sampling for s in seqs] + d.sampling,
+            [s.prompt_token_ids for s in seqs] + d.prompt_token_ids,
+            [s.banned_token_ids for s in seqs] + [()] * len(d),
+        )
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
 def _gather_inputs(plan: StepPlan) -> _StepInputs:
     x = _StepInputs()
     row = 0
@@ -122,6 +147,15 @@ def _gather_inputs(plan: StepPlan) -> _StepInputs:
         row += n
         if seq.sample:
             x.sample_rows.append(row - 1)
+    d = plan.decodes
+    x.input_ids += d.token_ids
+    x.positions += d.start_pos
+    x.spans += map(SeqSpan, range(row, row + len(d)), repeat(1), [p + 1 for p in d.start_pos], d.block_ids)
+    x.sample_rows += range(row, row + len(d))
+    for i, token in enumerate(d.token_ids):
+        if token == PLACEHOLDER:
+            x.placeholder_rows.append(row + i)
+            x.placeholder_ids.append(d.request_ids[i])
     return x
 
 
@@ -129,7 +163,7 @@ def compute_access(plan: StepPlan, block_size: int) -> Access:
     """The GPU blocks a step's model work reads (each context) and writes (the new tokens' slots)."""
     reads: set[Block] = set()
     writes: set[Block] = set()
-    for seq in plan.seqs:
+    for seq in plan.all_seqs():
         end = -(-seq.context_len // block_size)
         reads.update(("gpu", b) for b in seq.block_ids[:end])
         writes.update(("gpu", b) for b in seq.block_ids[seq.start_pos // block_size : end])
@@ -188,9 +222,9 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> SubmittedStep:
         """Enqueue the plan's copies, model step and sampling; on CUDA this does not wait for them."""
         step = SubmittedStep(plan, self.duplex.start(plan))
-        step.request_ids = [s.request_id for s in plan.seqs if s.sample]
+        step.request_ids = plan.sampled_ids()
         previous, self._previous = self._previous, step
-        inputs = _gather_inputs(plan) if plan.seqs else None  # on the host, now: the plan is not kept
+        inputs = _gather_inputs(plan) if plan.seqs or plan.decodes else None  # on the host, now: the plan is not kept
 
         def work() -> None:
             for request_id in plan.released:
@@ -238,7 +272,7 @@ class ModelRunner:
                 raise RuntimeError(f"the previous step sampled no token for {missing}: stale placeholders")
             src = self._tensor([row_of[rid] for rid in x.placeholder_ids])
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
-        sampling = [s for s in plan.seqs if s.sample]
+        sampling = SampleRows.of(plan)
         masks = self._start_masks(sampling) if self.tp.rank == 0 else None
         attn = self.attention(x.spans, self.kv_cache, self.scale)
         hidden = self.model(input_ids, self._tensor(x.positions), attn)
@@ -251,9 +285,9 @@ class ModelRunner:
             tokens = torch.empty(len(sampling), dtype=torch.long, device=self.device)
             step.device_tokens = self.tp.broadcast_first(tokens)
             return
-        params = [s.sampling for s in sampling]
-        gens = [self._generator(s.request_id, s.sampling.seed) for s in sampling]
-        rows = self.histories.rows(sampling)
+        params = sampling.sampling
+        gens = [self._generator(rid, p.seed) for rid, p in zip(sampling.request_ids, params, strict=True)]
+        rows = self.histories.rows(sampling.request_ids, params, sampling.prompt_token_ids)
         history = self.histories.gather(rows) if rows is not None else None
         grammar = None
         if masks is not None:
@@ -262,13 +296,12 @@ class ModelRunner:
             if disallowed.dtype == torch.int32:  # packed: unpacked on the device
                 disallowed = disallowed_tokens(disallowed, logits.shape[-1], self.device)
             grammar = GrammarMasks(self._tensor(guided_rows), disallowed)
-        banned = [s.banned_token_ids for s in sampling]
-        tokens, logprobs = sample(logits, params, gens, banned, history, grammar)
+        tokens, logprobs = sample(logits, params, gens, sampling.banned_token_ids, history, grammar)
         self.tp.broadcast_first(tokens)
         if rows is not None:
             self.histories.record(rows, tokens)
         if masks is not None:
-            self._advance_matchers([sampling[i] for i in masks[0]], tokens[grammar.rows].tolist())
+            self._advance_matchers([sampling.request_ids[i] for i in masks[0]], tokens[grammar.rows].tolist())
         step.device_tokens = tokens
         step.tokens = self._to_host(tokens)
         if logprobs is not None:
@@ -276,21 +309,21 @@ class ModelRunner:
             parts = (logprobs.chosen, logprobs.top_ids, logprobs.top_values)
             step.logprobs = SampledLogprobs(*(self._to_host(t) for t in parts))
 
-    def _start_masks(self, sampling: list[ScheduledSeq]) -> tuple[list[int], Future] | None:
+    def _start_masks(self, sampling: SampleRows) -> tuple[list[int], Future] | None:
         """Start filling the grammar masks of the rows under a grammar, on a thread of their own:
         llguidance releases the GIL, so the masks are computed while the model runs."""
-        rows = [i for i, s in enumerate(sampling) if s.sampling.guided is not None]
+        rows = [i for i, p in enumerate(sampling.sampling) if p.guided is not None]
         if not rows:
             return None
         if self.grammars is None:
             raise RuntimeError("structured output needs a tokenizer: this model has none")
         matchers = []
         for i in rows:
-            seq = sampling[i]
-            matcher = self.matchers.get(seq.request_id)
+            request_id, guided = sampling.request_ids[i], sampling.sampling[i].guided
+            matcher = self.matchers.get(request_id)
             if matcher is None:
-                grammar = self.grammars.compile(seq.sampling.guided)
-                matcher = self.matchers[seq.request_id] = GrammarMatcher(grammar)
+                grammar = self.grammars.compile(guided)
+                matcher = self.matchers[request_id] = GrammarMatcher(grammar)
             matchers.append(matcher)
         if len(rows) < THREADED_MASK_ROWS:  # a few masks fill in microseconds: a thread costs more
             done: Future = Future()
@@ -307,15 +340,15 @@ class ModelRunner:
             return disallowed_tokens(bitmask, self.model.config.vocab_size)
         return bitmask
 
-    def _advance_matchers(self, seqs: list[ScheduledSeq], tokens: list[int]) -> None:
+    def _advance_matchers(self, request_ids: list[str], tokens: list[int]) -> None:
         """Move each grammar on by its sampled token (a host sync, in steps with such rows only:
         the next step's masks depend on it)."""
-        for seq, token in zip(seqs, tokens, strict=True):
-            matcher = self.matchers[seq.request_id]
+        for request_id, token in zip(request_ids, tokens, strict=True):
+            matcher = self.matchers[request_id]
             if matcher.is_terminated():  # past the grammar's end (ignore_eos): EOS is all it allows
                 continue
             if not matcher.accept(token):
-                log.warning("request %s: token %d broke its grammar: %s", seq.request_id, token, matcher.error)
+                log.warning("request %s: token %d broke its grammar: %s", request_id, token, matcher.error)
 
     def _score_prompts(self, hidden: torch.Tensor, x: _StepInputs, step: SubmittedStep) -> None:
         """Logprobs of the prompt tokens this step's chunks predict (echo, prompt_logprobs)."""

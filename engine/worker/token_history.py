@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from superinfer.engine.core.plan import ScheduledSeq
+from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.sampling import TokenHistory
 
@@ -32,24 +32,29 @@ class TokenHistories:
         self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros((more, self.vocab_size))])
         self.free_rows.extend(range(n + more - 1, n - 1, -1))
 
-    def _row(self, seq: ScheduledSeq) -> int:
-        row = self.row_of.get(seq.request_id)
+    def _row(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+        row = self.row_of.get(request_id)
         if row is None:
             if not self.free_rows:
                 self._grow()
-            row = self.row_of[seq.request_id] = self.free_rows.pop()
+            row = self.row_of[request_id] = self.free_rows.pop()
             self.output_counts[row] = 0
             self.in_prompt[row] = False
-            prompt = device_tensor(seq.prompt_token_ids, torch.long, self.device)
+            prompt = device_tensor(prompt_token_ids, torch.long, self.device)
             self.in_prompt[row, prompt] = True
         return row
 
-    def rows(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor | None:
-        """The history row of each sampled seq (of the penalized ones; the others read a zero row),
-        or None when no seq is penalized."""
-        if not any(seq.sampling.penalized for seq in seqs):
+    def rows(
+        self, request_ids: Sequence[str], sampling: Sequence[SamplingParams], prompts: Sequence[Sequence[int]]
+    ) -> torch.Tensor | None:
+        """The history row of each sampled row (of the penalized ones; the others read a zero
+        row), or None when none is penalized."""
+        if not any(p.penalized for p in sampling):
             return None
-        rows = [self._row(seq) if seq.sampling.penalized else -1 for seq in seqs]
+        rows = [
+            self._row(rid, prompt) if p.penalized else -1
+            for rid, p, prompt in zip(request_ids, sampling, prompts, strict=True)
+        ]
         return device_tensor(rows, torch.long, self.device)
 
     def gather(self, rows: torch.Tensor) -> TokenHistory:
