@@ -65,7 +65,7 @@ def vllm_figures(python: str, live: str, steps: int) -> dict[str, dict[str, floa
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
-    print(out.stderr, end="", flush=True)
+    print("".join(line for line in out.stderr.splitlines(keepends=True) if line.startswith("vllm")), end="")
     return json.loads(out.stdout)["figures"]
 
 

@@ -107,7 +107,8 @@ class BlockPool:
         """Take n free blocks for compute to write, evicting the least recently freed cached ones
         first and those an unfinished copy touches last (`copy_fence_taken` tells which copy)."""
         blocks = self._pop(n, (self.copying,))
-        self.copy_fence_taken = max(self.copy_fence_taken, _newest(blocks, self.copying))
+        if self.copying:
+            self.copy_fence_taken = max(self.copy_fence_taken, _newest(blocks, self.copying))
         return blocks
 
     def allocate_for_copy(self, n: int) -> tuple[list[int], int, int]:
@@ -120,7 +121,7 @@ class BlockPool:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
         head = list(islice(self.free, n))
-        if all(fences.keys().isdisjoint(head) for fences in avoid):  # the common case
+        if not any(avoid) or all(fences.keys().isdisjoint(head) for fences in avoid):  # the common case
             for block in head:
                 del self.free[block]
             return [self._take(b) for b in head]
@@ -272,11 +273,10 @@ class KVCacheManager:
     # --- the GPU tier --------------------------------------------------------------------
     def update_hashes(self, req: Request) -> list[bytes]:
         """Extend the request's prefix hashes to every full block of its known tokens."""
-        bs = self.block_size
-        for i in range(len(req.block_hashes), req.num_tokens // bs):
-            parent = req.block_hashes[-1] if req.block_hashes else b""
-            req.block_hashes.append(block_hash(parent, req.token_ids[i * bs : (i + 1) * bs]))
-        return req.block_hashes
+        bs, hashes, tokens = self.block_size, req.block_hashes, req.token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else b"", tokens[i * bs : (i + 1) * bs]))
+        return hashes
 
     def cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding a prefix of the request's tokens, found in the cache.
@@ -304,7 +304,7 @@ class KVCacheManager:
         need = -(-total // self.block_size) - len(req.block_ids) - len(cached)
         if not cached and need <= 0:
             return True  # the common decode step: the last block has room
-        if need > self.pool.num_free - self._free_taken(cached):
+        if need > self.pool.num_free - (self._free_taken(cached) if cached else 0):
             return False
         for block in cached:
             self.pool.touch(block)
@@ -350,9 +350,9 @@ class KVCacheManager:
         bs = self.block_size
         if not self.enable_prefix_caching or end // bs == start // bs:
             return  # no block filled up in this step
-        hashes = self.update_hashes(req)
-        for i in range(start // bs, min(end // bs, len(req.block_ids), len(hashes))):
-            self.pool.register(req.block_ids[i], hashes[i])
+        hashes, block_ids, register = self.update_hashes(req), req.block_ids, self.pool.register
+        for i in range(start // bs, min(end // bs, len(block_ids), len(hashes))):
+            register(block_ids[i], hashes[i])
 
     def free(self, req: Request) -> None:
         """Release the request's blocks in both tiers, tail first so shared prefixes go last.

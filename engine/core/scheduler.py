@@ -292,12 +292,10 @@ class Scheduler:
         stopped (a prefill chunk, a decode under min_tokens, or no free block: the general path
         takes it, and evicts). The bulk of a step with thousands of running requests:
         Request.ends_after_pending inlined, locals hoisted, and no object built per row."""
-        running, kv = self.running, self.kv
-        bs, step_id = kv.block_size, step.id
-        decoded, tokens, starts, budget = step.decoded, step.decode_tokens, step.decode_starts, step.budget
+        kv, bs, step_id, budget = self.kv, self.kv.block_size, step.id, step.budget
+        add_token, add_start, add_row = step.decode_tokens.append, step.decode_starts.append, step.decoded.append
         unwritten, writes_through = self._unwritten, step.writes_through
-        while i < len(running) and budget > 0:
-            req = running[i]
+        for req in self.running[i:] if budget > 0 else ():
             start, pending = req.num_computed_tokens, req.num_pending_tokens
             total = len(req.token_ids) + pending
             if pending and total >= req.length_limit:
@@ -309,14 +307,16 @@ class Scheduler:
                 break  # allocate changed nothing
             req.num_computed_tokens = start + 1
             req.step_before_last, req.last_step = req.last_step, step_id
-            budget -= 1
             if writes_through and (req in unwritten or (start + 1) % bs == 0):
                 self._track_filled(req, start, start + 1, step)
-            tokens.append(PLACEHOLDER if pending else req.token_ids[start])
-            starts.append(start)
-            decoded.append(req)
+            add_token(PLACEHOLDER if pending else req.token_ids[start])
+            add_start(start)
+            add_row(req)
             req.num_pending_tokens = pending + 1
             i += 1
+            budget -= 1
+            if budget <= 0:
+                break
         step.budget = budget
         return i
 
