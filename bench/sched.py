@@ -45,17 +45,19 @@ def build(policy: str, live: int, contention: bool, seed: int = 0) -> Scheduler:
     return sched
 
 
-def time_steps(sched: Scheduler, steps: int) -> list[float]:
+def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[int]]:
+    """Seconds per step (schedule + update), and the requests each step scheduled."""
     for _ in range(5):  # warm up: prefill everything that fits
         plan = sched.schedule()
         sched.update(plan, dict.fromkeys(plan.sampled_ids(), 7))
-    out = []
+    seconds, scheduled = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
         sched.update(plan, dict.fromkeys(plan.sampled_ids(), 7))
-        out.append(time.perf_counter() - t0)
-    return out
+        seconds.append(time.perf_counter() - t0)
+        scheduled.append(plan.num_seqs)
+    return seconds, scheduled
 
 
 def vllm_figures(python: str, live: str, steps: int) -> dict[str, dict[str, float]]:
@@ -80,14 +82,16 @@ def main() -> None:
     for contention in (False, True):
         for policy in ("fcfs", "rotary"):
             for live in (int(n) for n in args.live.split(",")):
-                times = time_steps(build(policy, live, contention), args.steps)
+                times, scheduled = time_steps(build(policy, live, contention), args.steps)
                 key = f"{policy}-{'contention' if contention else 'fits'}-{live}"
-                figures[key] = {
+                f = figures[key] = {
                     "median_ms": 1000 * statistics.median(times),
                     "p90_ms": 1000 * sorted(times)[int(0.9 * len(times))],
+                    "scheduled_reqs_median": statistics.median(scheduled),
                 }
                 print(
-                    f"{key:28s} median {figures[key]['median_ms']:7.2f} ms  p90 {figures[key]['p90_ms']:7.2f} ms",
+                    f"{key:28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
+                    f"   ({f['scheduled_reqs_median']:.0f} reqs/step)",
                     flush=True,
                 )
     if args.vllm_python:
