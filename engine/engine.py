@@ -346,33 +346,37 @@ class EngineCore:
         for request_id, by_position in result.prompt_logprobs.items():
             if request_id in self._live:  # a recomputed prompt keeps the logprobs of its first pass
                 self._live[request_id].prompt_logprobs = by_position | self._live[request_id].prompt_logprobs
+        self.metrics.on_tokens(touched)
         outputs = []
+        logprobs = result.logprobs
         for req in touched:
-            live = self._live[req.request_id]
-            live.stream.feed(req.output_token_ids[-1], last=req.is_finished)
-            if live.stream.stopped:  # a stop string matched (also on the very last token)
-                if req.is_finished:
+            request_id, token, finished = req.request_id, req.output_token_ids[-1], req.is_finished
+            live = self._live[request_id]
+            stream = live.stream
+            stream.feed(token, last=finished)
+            if stream.stopped:  # a stop string matched (also on the very last token)
+                if finished:
                     req.finish_reason = FinishReason.STOP
                 else:
-                    self.scheduler.finish(req.request_id, FinishReason.STOP)
-            self.metrics.on_token(req)
-            if req.is_finished:
-                del self._live[req.request_id]
+                    self.scheduler.finish(request_id, FinishReason.STOP)
+                    finished = True
+            if finished:
+                del self._live[request_id]
                 self.metrics.on_finish(req, now)
-            lp = result.logprobs.get(req.request_id)
+            lp = logprobs.get(request_id) if logprobs else None
             prompt_lps = None
             if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 1:
                 prompt_lps = [None, *(live.prompt_logprobs[p] for p in range(1, req.num_prompt_tokens))]
             outputs.append(
                 RequestOutput(
-                    request_id=req.request_id,
-                    text=live.stream.take(req.is_finished),
-                    token_ids=[req.output_token_ids[-1]],
+                    request_id=request_id,
+                    text=stream.take(finished),
+                    token_ids=[token],
                     logprobs=[lp] if lp else None,
-                    finished=req.is_finished,
+                    finished=finished,
                     finish_reason=req.finish_reason.value if req.finish_reason else None,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_output_tokens=req.num_output_tokens,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    num_output_tokens=len(req.output_token_ids),
                     num_cached_tokens=req.num_cached_tokens,
                     prompt_logprobs=prompt_lps,
                 )

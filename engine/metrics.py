@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from bisect import bisect_left
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from superinfer.engine import contract as c
 from superinfer.engine.core.kv import KVCacheManager
@@ -45,6 +49,39 @@ BANDWIDTH_BUCKETS = (1e8, 2e8, 5e8, 1e9, 2e9, 5e9, 1e10, 2e10, 5e10, 1e11, 2e11,
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))
 
 
+class TokenHistogram:
+    """A histogram observed once per generated token, thousands of times per step at scale: a
+    bisect and two additions per observation, exported at scrape time as an ordinary Prometheus
+    histogram (prometheus-client's Histogram takes a lock and walks its buckets in Python each
+    time, most of the engine's per-token output work)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float], registry: Any
+    ) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, list(labelnames)
+        self.bounds = sorted(b for b in set(buckets) if b != float("inf"))
+        self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.series: dict[tuple[str, ...], list[float]] = {}  # label values -> bucket counts, then the sum
+        registry.register(self)
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        counts = self.series.get(labels)
+        if counts is None:
+            counts = self.series[labels] = [0] * len(self.les) + [0.0]
+        counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
+        counts[-1] += value
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, counts in list(self.series.items()):
+            snapshot = list(counts)  # one copy: the buckets and the sum agree with each other
+            family.add_metric(list(labels), list(zip(self.les, accumulate(snapshot[:-1]), strict=True)), snapshot[-1])
+        yield family
+
+
 class EngineMetrics:
     def __init__(
         self,
@@ -76,7 +113,9 @@ class EngineMetrics:
             ttft_buckets = histogram_buckets(target.ttft_ms / 1000.0, ttft_buckets)
             tbt_buckets = histogram_buckets(target.tbt_ms / 1000.0, tbt_buckets)
         self.ttft = histogram("time_to_first_token_seconds", ttft_buckets, *c.HISTOGRAMS["time_to_first_token_seconds"])
-        self.tbt = histogram("time_between_tokens_seconds", tbt_buckets, *c.HISTOGRAMS["time_between_tokens_seconds"])
+        tbt_labels = [label, *c.HISTOGRAMS["time_between_tokens_seconds"]]
+        tbt_name = "time_between_tokens_seconds"
+        self.tbt = TokenHistogram(c.metric(tbt_name), tbt_name.replace("_", " "), tbt_labels, tbt_buckets, reg)
         self.queue = histogram("request_queue_seconds", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", LATENCY_BUCKETS)
         self.step = histogram("scheduler_step_seconds", STEP_BUCKETS, "phase")
@@ -101,15 +140,14 @@ class EngineMetrics:
                 "waiting": Gauge("vllm:num_requests_waiting", "waiting requests", vl, registry=reg),
                 "kv": Gauge("vllm:kv_cache_usage_perc", "GPU KV cache usage (0-1)", vl, registry=reg),
                 "ttft": Histogram("vllm:time_to_first_token_seconds", "TTFT", vl, buckets=ttft_buckets, registry=reg),
-                "itl": Histogram(
-                    "vllm:inter_token_latency_seconds", "inter-token latency", vl, buckets=tbt_buckets, registry=reg
-                ),
                 "e2e": Histogram(
                     "vllm:e2e_request_latency_seconds", "end-to-end latency", vl, buckets=LATENCY_BUCKETS, registry=reg
                 ),
                 "prompt": Counter("vllm:prompt_tokens", "prompt tokens", vl, registry=reg),
                 "generation": Counter("vllm:generation_tokens", "generated tokens", vl, registry=reg),
             }
+        itl = "vllm:inter_token_latency_seconds"
+        self.itl = TokenHistogram(itl, "inter-token latency", ["model_name"], tbt_buckets, reg) if vllm_compat else None
 
     def _child(self, family: Gauge | Counter | Histogram, *labels: str) -> Any:
         """The family's series for this model and `labels`, looked up once (labels() is slow)."""
@@ -197,20 +235,25 @@ class EngineMetrics:
         self._compat("waiting", "set", sched.num_waiting)
         self._compat("kv", "set", kv.usage)
 
-    def on_token(self, req: Request) -> None:
-        """A request emitted a token: its first (TTFT) or one more gap between tokens."""
-        self._c("generation_tokens").inc()
-        self._compat("generation", "inc", 1)
-        if not req.token_gaps:
+    def on_tokens(self, reqs: Sequence[Request]) -> None:
+        """Requests that emitted a token in one step: each one's first (TTFT) or its newest gap
+        between tokens."""
+        self._c("generation_tokens").inc(len(reqs))
+        self._compat("generation", "inc", len(reqs))
+        tbt, itl, model = self.tbt, self.itl, self.model_name
+        for req in reqs:
+            if req.token_gaps:
+                gap = req.token_gaps[-1]
+                tbt.observe((model, req.slo_class), gap)
+                if itl is not None:
+                    itl.observe((model,), gap)
+                continue
             ttft = req.t_first_token - req.arrival_time
             self._child(self.ttft, req.slo_class).observe(ttft)
             self._compat("ttft", "observe", ttft)
             self._child(self.queue).observe(req.t_scheduled - req.arrival_time)
             self._c("prompt_tokens").inc(req.num_prompt_tokens)
             self._compat("prompt", "inc", req.num_prompt_tokens)
-        else:
-            self._child(self.tbt, req.slo_class).observe(req.token_gaps[-1])
-            self._compat("itl", "observe", req.token_gaps[-1])
 
     def on_finish(self, req: Request, now: float) -> None:
         """A request ended: its latency, and its SLO verdict (TBT by the p99 of its token gaps)."""
