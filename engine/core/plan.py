@@ -54,12 +54,13 @@ class DecodeRows:
         return len(self.request_ids)
 
     def seqs(self) -> list[ScheduledSeq]:
-        columns = (self.request_ids, self.token_ids, self.start_pos, self.block_ids, self.sampling)
+        rows = zip(
+            self.request_ids, self.token_ids, self.start_pos, self.block_ids, self.sampling, self.prompt_token_ids,
+            strict=True,
+        )  # fmt: skip
         return [
-            ScheduledSeq(rid, [token], start, blocks, True, sampling, (), prompt)
-            for (rid, token, start, blocks, sampling), prompt in zip(
-                zip(*columns, strict=True), self.prompt_token_ids, strict=True
-            )
+            ScheduledSeq(rid, [token], start, blocks, True, sp, (), prompt)
+            for rid, token, start, blocks, sp, prompt in rows
         ]
 
 

@@ -403,7 +403,7 @@ class Scheduler:
         token; one that finished since (abort, stop string, EOS) drops it."""
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
-        if plan.seqs or plan.decodes:
+        if plan.num_seqs:
             # With async scheduling the step was planned while the one before it still ran.
             self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now

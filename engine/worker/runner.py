@@ -224,7 +224,7 @@ class ModelRunner:
         step = SubmittedStep(plan, self.duplex.start(plan))
         step.request_ids = plan.sampled_ids()
         previous, self._previous = self._previous, step
-        inputs = _gather_inputs(plan) if plan.seqs or plan.decodes else None  # on the host, now: the plan is not kept
+        inputs = _gather_inputs(plan) if plan.num_seqs else None  # on the host, now: the plan is not kept
 
         def work() -> None:
             for request_id in plan.released:
