@@ -26,6 +26,7 @@ from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
+from superinfer.engine.model.tiny import ensure_tiny_model
 
 BLOCK = 16
 
@@ -63,7 +64,8 @@ def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[int]]:
 def vllm_figures(python: str, live: str, steps: int) -> dict[str, dict[str, float]]:
     """vLLM's scheduler in the same situations (bench/vllm_sched.py, run by a vLLM venv's python)."""
     script = Path(__file__).with_name("vllm_sched.py")
-    cmd = [python, str(script), "--live", live, "--steps", str(steps)]
+    model_dir = ensure_tiny_model()  # vLLM reads its config.json only
+    cmd = [python, str(script), "--model-dir", str(model_dir), "--live", live, "--steps", str(steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")

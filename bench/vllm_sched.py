@@ -10,7 +10,8 @@ prefill is complete gets token 7. 5 warm-up steps, then `--steps` timed ones.
 
 Runs in the vLLM venv (the CPU build), not ours, from the repository root:
 
-    .venv-vllm/bin/python bench/vllm_sched.py [--live 256,1024,4096] [--steps 50] [--async] [--no-log-stats]
+    .venv-vllm/bin/python bench/vllm_sched.py --model-dir ~/.cache/superinfer/tiny-v2 [--live 256,1024,4096]
+        [--steps 50] [--async] [--no-log-stats]
 
 Prints one line per case on stderr, then a JSON object with every figure on stdout (what
 `python -m bench.sched --vllm-python .venv-vllm/bin/python` reads to put vLLM beside ours).
@@ -30,7 +31,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -59,25 +59,6 @@ MAX_BATCHED_TOKENS = 1 << 20
 WARMUP = 5
 TOKEN = 7
 
-# A tiny llama config.json: ModelConfig reads the architecture and sizes from it; no weights and,
-# with skip_tokenizer_init, no tokenizer are ever loaded.
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "max_position_embeddings": MAX_MODEL_LEN,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
-
 
 @dataclass
 class StepTimes:
@@ -92,11 +73,6 @@ class StepTimes:
     @property
     def total(self) -> list[float]:
         return [s + u for s, u in zip(self.schedule, self.update, strict=True)]
-
-
-def write_model_dir(root: Path) -> Path:
-    (root / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return root
 
 
 def build(model_dir: Path, live: int, contention: bool, use_async: bool, log_stats: bool, seed: int = 0) -> Scheduler:
@@ -195,40 +171,40 @@ def main() -> None:
     parser.add_argument(
         "--no-log-stats", action="store_true", help="build the scheduler with log_stats=False (vllm serve has it on)"
     )
+    parser.add_argument("--model-dir", required=True, help="a model folder with a config.json (no weights read)")
     args = parser.parse_args()
     lives = [int(n) for n in args.live.split(",")]
     variants = [False, True] if args.use_async else [False]
     figures: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="vllm-sched-") as tmp:
-        model_dir = write_model_dir(Path(tmp))
-        for use_async in variants:
-            for contention in (False, True):
-                for live in lives:
-                    sched = build(model_dir, live, contention, use_async, not args.no_log_stats)
-                    t = time_steps(sched, args.steps)
-                    name = "vllm-async" if use_async else "vllm"
-                    key = f"{name}-{'contention' if contention else 'fits'}-{live}"
-                    figures[key] = {
-                        "median_ms": 1000 * statistics.median(t.total),
-                        "p90_ms": 1000 * p90(t.total),
-                        "schedule_median_ms": 1000 * statistics.median(t.schedule),
-                        "schedule_p90_ms": 1000 * p90(t.schedule),
-                        "update_median_ms": 1000 * statistics.median(t.update),
-                        "update_p90_ms": 1000 * p90(t.update),
-                        "scheduled_reqs_median": statistics.median(t.scheduled_reqs),
-                        "scheduled_tokens_median": statistics.median(t.scheduled_tokens),
-                        "preemptions_timed": t.preemptions,
-                        "preemptions_total": sum(r.num_preemptions for r in sched.requests.values()),
-                    }
-                    f = figures[key]
-                    print(
-                        f"{key:28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
-                        f"   (schedule {f['schedule_median_ms']:6.2f} + update {f['update_median_ms']:6.2f} ms;"
-                        f" {f['scheduled_reqs_median']:.0f} reqs, {f['scheduled_tokens_median']:.0f} tokens/step;"
-                        f" {t.preemptions} preemptions)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+    model_dir = Path(args.model_dir)
+    for use_async in variants:
+        for contention in (False, True):
+            for live in lives:
+                sched = build(model_dir, live, contention, use_async, not args.no_log_stats)
+                t = time_steps(sched, args.steps)
+                name = "vllm-async" if use_async else "vllm"
+                key = f"{name}-{'contention' if contention else 'fits'}-{live}"
+                figures[key] = {
+                    "median_ms": 1000 * statistics.median(t.total),
+                    "p90_ms": 1000 * p90(t.total),
+                    "schedule_median_ms": 1000 * statistics.median(t.schedule),
+                    "schedule_p90_ms": 1000 * p90(t.schedule),
+                    "update_median_ms": 1000 * statistics.median(t.update),
+                    "update_p90_ms": 1000 * p90(t.update),
+                    "scheduled_reqs_median": statistics.median(t.scheduled_reqs),
+                    "scheduled_tokens_median": statistics.median(t.scheduled_tokens),
+                    "preemptions_timed": t.preemptions,
+                    "preemptions_total": sum(r.num_preemptions for r in sched.requests.values()),
+                }
+                f = figures[key]
+                print(
+                    f"{key:28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
+                    f"   (schedule {f['schedule_median_ms']:6.2f} + update {f['update_median_ms']:6.2f} ms;"
+                    f" {f['scheduled_reqs_median']:.0f} reqs, {f['scheduled_tokens_median']:.0f} tokens/step;"
+                    f" {t.preemptions} preemptions)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     result = {
         "bench": "vllm_sched",
         "vllm_version": __version__,
