@@ -44,8 +44,8 @@ async def run_policy(config: EngineConfig, items: list[WorkItem]) -> tuple[dict[
         timings, duration = await run_load(running.url, config.model_name, load)
         report = summarize(timings, duration)
         async with aiohttp.ClientSession() as http:  # the engine may run in another process: ask /metrics
-            rotations, report["recomputes"] = await counters(http, running.url, vllm=False)
-        report["rotations"] = rotations or 0.0
+            served = await counters(http, running.url, vllm=False)
+        report["recomputes"], report["rotations"] = served.preemptions, served.rotations or 0.0
         report["rotations_per_request"] = report["rotations"] / max(1.0, report["requests"])
         return report, timings
     finally:

@@ -23,6 +23,7 @@ ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("saturation", "ttft_p50_ms", "saturation: TTFT p50 (ms)", "{:.0f}"),
     ("saturation", "tbt_attainment", "saturation: TBT attainment (p99 gap, 100 ms)", "{:.0%}"),
     ("saturation", "tbt_p99_ms", "saturation: gap between tokens p99 (ms)", "{:.0f}"),
+    ("saturation", "engine_steps", "saturation: engine steps", "{:.0f}"),
     ("saturation", "cpu_cores", "saturation: CPU cores, server and its children", "{:.2f}"),
     ("saturation", "server_cpu_cores", "saturation: CPU cores, the server's own process", "{:.2f}"),
     ("hol", "short_ttft_attainment", "HOL burst: short TTFT attainment", "{:.0%}"),

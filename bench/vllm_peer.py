@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,9 +55,15 @@ def load_seed(seed: int, run: int, load: str) -> int:
     return seed * 1000 + run * 10 + LOADS.index(load)
 
 
-def parse_counters(text: str, vllm: bool) -> tuple[float | None, float]:
-    """(rotations, recompute preemptions) from a /metrics page; rotations is None for vLLM, which has none."""
-    rotations, preemptions = 0.0, 0.0
+class Counters(NamedTuple):
+    rotations: float | None  # None for vLLM, which has none
+    preemptions: float  # by recompute
+    steps: float  # engine steps run (ours: steps completed; vLLM: iterations)
+
+
+def parse_counters(text: str, vllm: bool) -> Counters:
+    """The counters the loads report, from a /metrics page."""
+    rotations = preemptions = steps = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             recompute = s.name == "superinfer_engine_preemptions_total" and s.labels.get("mode") == "recompute"
@@ -64,10 +71,14 @@ def parse_counters(text: str, vllm: bool) -> tuple[float | None, float]:
                 preemptions += s.value
             elif s.name == "superinfer_engine_rotations_total":
                 rotations += s.value
-    return (None if vllm else rotations), preemptions
+            elif s.name == "vllm:iteration_tokens_total_count" or (
+                s.name == "superinfer_engine_scheduler_step_seconds_count" and s.labels.get("phase") == "update"
+            ):
+                steps += s.value
+    return Counters(None if vllm else rotations, preemptions, steps)
 
 
-async def counters(http: aiohttp.ClientSession, url: str, vllm: bool) -> tuple[float | None, float]:
+async def counters(http: aiohttp.ClientSession, url: str, vllm: bool) -> Counters:
     async with http.get(url + METRICS_PATH) as resp:
         resp.raise_for_status()
         return parse_counters(await resp.text(), vllm)
@@ -129,16 +140,17 @@ async def measure(
     work = items(load, shape, seed)
     reqs = requests(work, vocab_size, seed, structured_share)
     async with aiohttp.ClientSession() as http:
-        rot0, pre0 = await counters(http, url, contender.is_vllm)
+        before = await counters(http, url, contender.is_vllm)
         cpu0, client0 = cpu_seconds(pid) if pid else (0.0, 0.0), time.process_time()
         if load in SEQUENTIAL:
             timings, duration = await run_sequential(url, model, reqs)
         else:
             timings, duration = await run_load(url, model, reqs)
         cpu1, client1 = cpu_seconds(pid) if pid else (0.0, 0.0), time.process_time()
-        rot1, pre1 = await counters(http, url, contender.is_vllm)
-    rotations = None if rot0 is None or rot1 is None else rot1 - rot0
-    figs = figures(load, work, timings, duration, rotations, pre1 - pre0)
+        after = await counters(http, url, contender.is_vllm)
+    rotations = None if before.rotations is None or after.rotations is None else after.rotations - before.rotations
+    figs = figures(load, work, timings, duration, rotations, after.preemptions - before.preemptions)
+    figs["engine_steps"] = after.steps - before.steps
     if pid:
         figs |= {
             "cpu_cores": (cpu1[1] - cpu0[1]) / duration,

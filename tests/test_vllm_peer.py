@@ -152,16 +152,21 @@ superinfer_engine_rotations_total{model_name="tiny"} 12.0
 # TYPE superinfer_engine_preemptions_total counter
 superinfer_engine_preemptions_total{mode="recompute",model_name="tiny"} 3.0
 superinfer_engine_preemptions_total{mode="swap",model_name="tiny"} 5.0
+# TYPE superinfer_engine_scheduler_step_seconds histogram
+superinfer_engine_scheduler_step_seconds_count{model_name="tiny",phase="schedule"} 41.0
+superinfer_engine_scheduler_step_seconds_count{model_name="tiny",phase="update"} 40.0
 """
 VLLM_METRICS = """\
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{engine="0",model_name="tiny"} 7.0
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_count{engine="0",model_name="tiny"} 25.0
 """
 
 
 def test_counters_from_metrics_pages():
-    assert parse_counters(METRICS, vllm=False) == (12.0, 3.0)
-    assert parse_counters(VLLM_METRICS, vllm=True) == (None, 7.0)
+    assert parse_counters(METRICS, vllm=False) == (12.0, 3.0, 40.0)
+    assert parse_counters(VLLM_METRICS, vllm=True) == (None, 7.0, 25.0)
 
 
 def timing(arrival: float, first: float, gap: float, n: int, slo: SLO) -> RequestTiming:
