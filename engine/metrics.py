@@ -56,7 +56,12 @@ class TokenHistogram:
     time, most of the engine's per-token output work)."""
 
     def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float], registry: Any
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
     ) -> None:
         self.name, self.documentation, self.labelnames = name, documentation, list(labelnames)
         self.bounds = sorted(b for b in set(buckets) if b != float("inf"))
