@@ -115,10 +115,11 @@ class SampleRows:
     banned_token_ids: list[tuple[int, ...]]
 
     @classmethod
-    def of(cls, plan: StepPlan) -> SampleRows:
+    def of(cls, plan: StepPlan, request_ids: list[str]) -> SampleRows:
+        """`request_ids`: the plan's `sampled_ids()`, already at hand."""
         seqs, d = [s for s in plan.seqs if s.sample], plan.decodes
         return cls(
-            plan.sampled_ids(),
+            request_ids,
             [s.sampling for s in seqs] + d.sampling,
             [s.prompt_token_ids for s in seqs] + d.prompt_token_ids,
             [s.banned_token_ids for s in seqs] + [()] * len(d),
@@ -272,7 +273,7 @@ class ModelRunner:
                 raise RuntimeError(f"the previous step sampled no token for {missing}: stale placeholders")
             src = self._tensor([row_of[rid] for rid in x.placeholder_ids])
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
-        sampling = SampleRows.of(plan)
+        sampling = SampleRows.of(plan, step.request_ids)
         masks = self._start_masks(sampling) if self.tp.rank == 0 else None
         attn = self.attention(x.spans, self.kv_cache, self.scale)
         hidden = self.model(input_ids, self._tensor(x.positions), attn)
