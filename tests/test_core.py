@@ -75,6 +75,23 @@ def test_running_decodes_come_before_new_prefills_in_one_step():
     assert plan.num_tokens <= 12
 
 
+def test_plain_decodes_travel_as_rows_and_the_rest_as_seqs():
+    s = make_scheduler(budget=64)
+    s.add(make_request("a", 6))
+    s.add(make_request("m", 6, first_token=30, min_tokens=3))  # its next samples may not be EOS: a row of its own
+    step(s)
+    s.add(make_request("b", 10, first_token=60))
+    plan = s.schedule()
+    assert [q.request_id for q in plan.seqs] == ["m", "b"] and plan.seqs[0].banned_token_ids == (0,)
+    assert plan.decodes.request_ids == ["a"] and plan.decodes.start_pos == [6] and plan.decodes.token_ids == [5]
+    assert plan.decodes.block_ids == [s.requests["a"].block_ids]
+    (row,) = plan.decodes.seqs()
+    assert (row.token_ids, row.start_pos, row.sample, row.banned_token_ids) == ([5], 6, True, ())
+    assert plan.num_seqs == 3 and plan.num_tokens == 1 + 1 + 10
+    assert plan.num_context_tokens == 7 + 7 + 10
+    assert sorted(plan.sampled_ids()) == ["a", "b", "m"]
+
+
 def test_max_num_seqs_limits_admission():
     s = make_scheduler(max_seqs=2, budget=100)
     for rid in "abc":
