@@ -1,6 +1,6 @@
 """Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
 
-python -m bench.run            # CPU: peer, sched, slo, ragged, cpu_linear (tiny model), moe (small MoE
+python -m bench.run            # CPU: peer, sched, host_time, slo, ragged, cpu_linear (tiny model), moe (small MoE
                                # models), tp (tiny, -tp 2)
 python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, slo (llama-3-8b dummy weights)
 """
@@ -14,6 +14,7 @@ import sys
 CPU = [
     ["bench.peer"],
     ["bench.sched"],
+    ["bench.host_time"],
     ["bench.slo"],
     ["bench.ragged"],
     ["bench.cpu_linear"],
