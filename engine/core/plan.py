@@ -55,9 +55,14 @@ class DecodeRows:
 
     def seqs(self) -> list[ScheduledSeq]:
         rows = zip(
-            self.request_ids, self.token_ids, self.start_pos, self.block_ids, self.sampling, self.prompt_token_ids,
+            self.request_ids,
+            self.token_ids,
+            self.start_pos,
+            self.block_ids,
+            self.sampling,
+            self.prompt_token_ids,
             strict=True,
-        )  # fmt: skip
+        )
         return [
             ScheduledSeq(rid, [token], start, blocks, True, sp, (), prompt)
             for rid, token, start, blocks, sp, prompt in rows

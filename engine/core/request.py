@@ -177,12 +177,8 @@ class Request:
         """Why the request must stop after its newest token, if it must (stop strings aside)."""
         if not self.output_token_ids:
             return None
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.sampling.min_tokens:
-            if not self.sampling.ignore_eos and last in self.eos_token_ids:
-                return FinishReason.STOP
-            if last in self.sampling.stop_token_ids:
-                return FinishReason.STOP
+        if self.num_output_tokens >= self.sampling.min_tokens and self.output_token_ids[-1] in self.stop_token_set:
+            return FinishReason.STOP
         if self.num_tokens >= self.length_limit:
             return FinishReason.LENGTH
         return None
