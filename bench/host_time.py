@@ -17,6 +17,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from superinfer.bench.record import write_result
@@ -38,8 +39,10 @@ def timed(seconds: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def measure(batch: int, steps: int, detokenize: bool) -> dict[str, float]:
-    """Median milliseconds per decode step of `batch` requests, per part of the step."""
+def measure(batch: int, steps: int, detokenize: bool, sampling: SamplingParams | None = None) -> dict[str, float]:
+    """Median milliseconds per decode step of `batch` requests (greedy unless `sampling` says
+    otherwise), per part of the step."""
+    params = replace(sampling or SamplingParams(temperature=0), max_tokens=steps + 8, ignore_eos=True)
     core = EngineCore(
         EngineConfig(
             model="tiny",
@@ -55,7 +58,7 @@ def measure(batch: int, steps: int, detokenize: bool) -> dict[str, float]:
     rng = random.Random(batch)
     for i in range(batch):
         prompt = [rng.randrange(1000) for _ in range(PROMPT_TOKENS)]
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+        core.add_request(f"r{i}", prompt, params)
     core.async_scheduling = False
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()  # prefill, not timed

@@ -1,8 +1,8 @@
 """Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
 
-python -m bench.run            # CPU: peer, sched, host_time, slo, ragged, cpu_linear (tiny model), moe (small MoE
-                               # models), tp (tiny, -tp 2)
-python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, slo (llama-3-8b dummy weights)
+python -m bench.run            # CPU: peer, sched, host_time, sampler, slo, ragged, cpu_linear (tiny model), moe
+                               # (small MoE models), tp (tiny, -tp 2)
+python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, sampler, slo (llama-3-8b dummy weights)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ CPU = [
     ["bench.peer"],
     ["bench.sched"],
     ["bench.host_time"],
+    ["bench.sampler"],
     ["bench.slo"],
     ["bench.ragged"],
     ["bench.cpu_linear"],
@@ -26,6 +27,7 @@ GPU = [
     ["bench.step", "--device", "cuda"],
     ["bench.attn"],
     ["bench.copy", "--device", "cuda"],
+    ["bench.sampler", "--device", "cuda", "--shapes", "256x128256,1024x128256"],
     ["bench.slo", "--device", "cuda", "--duration", "30", "--gpu-memory-utilization", "0.3"],
 ]
 

@@ -196,14 +196,6 @@ def test_slo_lag_gauge_is_the_most_lagging_waiting_request():
     assert gauge(core, "slo_lag_seconds") == 0
 
 
-def test_top_p_applies_to_the_renormalised_top_k_set():
-    from superinfer.engine.worker.sampling import _truncate
-
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    kept = _truncate(logits, torch.tensor([2]), torch.tensor([0.6])).isfinite()
-    assert kept.tolist() == [[True, False, False]]  # top-2 renormalised: 0.625 already covers 0.6
-
-
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached(tiny):
     prompt = random_prompts(1, tiny.model_config.vocab_size, seed=12)["r0"]
     first = run(tiny, {"g": prompt}, SamplingParams(max_tokens=1, temperature=0))["g"][0]

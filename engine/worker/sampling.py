@@ -3,9 +3,15 @@ per-request seeds, logprobs. Everything is batched on the logits' device: per-ro
 [N] tensors, never a Python loop over rows or the vocabulary.
 
 The order is vLLM's: bans and logit_bias, then the repetition, frequency and presence penalties,
-then temperature, top-k/top-p and min-p. Random rows use the exponential race: argmax(p / E) with
-E ~ Exp(1) draws from p. A seeded request draws its noise from its own generator, so its tokens
-do not depend on the batch.
+then temperature, top-k/top-p and min-p. Nothing sorts the vocabulary on the CPU, where a sort of
+[N, vocab] costs more than the model step: top-k masks below each row's k-th score (ties kept),
+and a row draws one uniform number and inverts its cumulative distribution (no noise per token).
+Top-p draws by rejection: a token is drawn from what is left, and kept if the tokens more likely
+than it hold less than top_p of the mass; else it and everything less likely are dropped and the
+row draws again. Each draw is kept with probability at least top_p, so few rounds are needed; rows
+still open after MAX_NUCLEUS_ROUNDS (and every row on CUDA, which sorts fast and must not wait on
+the host) find the nucleus by sorting. A seeded request draws from its own generator, only while
+its row is open, so its tokens do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -28,17 +34,70 @@ class SampledLogprobs:
     top_values: torch.Tensor  # [N, k]
 
 
-def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k, then outside the top-p nucleus of what is left
-    (renormalised, as HF and vLLM do). The best token always stays."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+MAX_NUCLEUS_ROUNDS = 8
+
+
+def _top_k_mask(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """-inf below each row's k-th largest score (k >= vocab: no limit). Ties with it stay."""
+    vocab = scaled.shape[-1]
+    k_max = max(k for k in top_k if k < vocab)
+    kth = scaled.topk(k_max, dim=-1).values
+    rank = device_tensor([min(k, k_max) - 1 for k in top_k], torch.long, scaled.device)
+    floor = kth.gather(-1, rank[:, None])
+    unlimited = device_tensor([k >= vocab for k in top_k], torch.bool, scaled.device)[:, None]
+    return scaled.masked_fill((scaled < floor) & ~unlimited, float("-inf"))
+
+
+def _uniforms(rows: Sequence[int], generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One number in (0, 1] per row; a seeded row's from its own generator."""
+    u = torch.rand(len(rows), device=device)
+    for i, gen in enumerate(map(generators.__getitem__, rows)):
+        if gen is not None:
+            u[i] = torch.rand(1, generator=gen, device=device)
+    return 1.0 - u
+
+
+def _invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token t with probability weights[i, t] / sum(weights[i]), for uniform u in (0, 1]:
+    the first token whose cumulative weight reaches u x the total (never a zero-weight one)."""
+    cdf = weights.cumsum(dim=-1)
+    target = u[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=weights.shape[-1] - 1)
+
+
+def _draw_nucleus(
+    probs: torch.Tensor,
+    weights: torch.Tensor,
+    top_p: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    rounds: int,
+) -> torch.Tensor:
+    """Draw from `weights` (probs, min-p applied) within each row's top-p nucleus of `probs`:
+    the tokens whose more likely tokens hold less than top_p of the mass."""
+    n, device = probs.shape[0], probs.device
+    tokens = torch.empty(n, dtype=torch.long, device=device)
+    rows = list(range(n))
+    index = torch.arange(n, device=device)
+    low = torch.zeros(n, 1, device=device)  # tokens at most this likely are out of the nucleus
+    for _ in range(rounds):
+        p = probs[index]
+        drawn = _invert_cdf(weights[index].masked_fill(p <= low, 0.0), _uniforms(rows, generators, device))
+        p_drawn = p.gather(-1, drawn[:, None])
+        above = p.masked_fill(p <= p_drawn, 0.0).sum(dim=-1)
+        kept = (above < top_p[index]) | (top_p[index] >= 1.0)
+        tokens[index[kept]] = drawn[kept]
+        open_ = (~kept).nonzero().squeeze(-1)
+        if not len(open_):
+            return tokens
+        index, low = index[open_], p_drawn[open_]
+        rows = [rows[i] for i in open_.tolist()]
+    p = probs[index]
+    ranked = p.sort(dim=-1, descending=True).values
+    before = ranked.cumsum(dim=-1) - ranked
+    last = ((before < top_p[index, None]).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
+    floor = ranked.gather(-1, last)
+    tokens[index] = _invert_cdf(weights[index].masked_fill(p < floor, 0.0), _uniforms(rows, generators, device))
+    return tokens
 
 
 @dataclass
@@ -109,19 +168,20 @@ def sample(
         device = logits.device
         temps = device_tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device)
         scaled = scores / temps[:, None]
-        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-            top_k = device_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, device)
-            top_p = device_tensor([p.top_p for p in params], torch.float32, device)
-            scaled = _truncate(scaled, top_k, top_p)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if min(top_k) < vocab:
+            scaled = _top_k_mask(scaled, top_k)
         probs = scaled.softmax(dim=-1)
+        weights = probs
         if any(p.min_p > 0 for p in params):
             min_p = device_tensor([p.min_p for p in params], torch.float32, device)[:, None]
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for i, gen in enumerate(generators):
-            if gen is not None:
-                noise[i].exponential_(generator=gen)
-        tokens = (probs / noise).argmax(dim=-1)
+            weights = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = device_tensor([p.top_p for p in params], torch.float32, device)
+            rounds = 0 if device.type == "cuda" else MAX_NUCLEUS_ROUNDS
+            tokens = _draw_nucleus(probs, weights, top_p, generators, rounds)
+        else:
+            tokens = _invert_cdf(weights, _uniforms(range(len(params)), generators, device))
         if any(p.greedy for p in params):
             is_greedy = device_tensor([p.greedy for p in params], torch.bool, device)
             tokens = torch.where(is_greedy, scores.argmax(dim=-1), tokens)
