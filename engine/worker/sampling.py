@@ -78,25 +78,24 @@ def _draw_nucleus(
     tokens = torch.empty(n, dtype=torch.long, device=device)
     rows = list(range(n))
     index = torch.arange(n, device=device)
-    low = torch.zeros(n, 1, device=device)  # tokens at most this likely are out of the nucleus
+    p, w, p_top = probs, weights, top_p[:, None]  # of the open rows (at first all, not copied)
+    low: torch.Tensor | None = None  # tokens at most this likely are out of the nucleus
     for _ in range(rounds):
-        p = probs[index]
-        drawn = _invert_cdf(weights[index].masked_fill(p <= low, 0.0), _uniforms(rows, generators, device))
+        drawn = _invert_cdf(w if low is None else w.masked_fill(p <= low, 0.0), _uniforms(rows, generators, device))
         p_drawn = p.gather(-1, drawn[:, None])
-        above = p.masked_fill(p <= p_drawn, 0.0).sum(dim=-1)
-        kept = (above < top_p[index]) | (top_p[index] >= 1.0)
+        above = p.masked_fill(p <= p_drawn, 0.0).sum(dim=-1, keepdim=True)
+        kept = ((above < p_top) | (p_top >= 1.0)).squeeze(-1)
         tokens[index[kept]] = drawn[kept]
         open_ = (~kept).nonzero().squeeze(-1)
         if not len(open_):
             return tokens
-        index, low = index[open_], p_drawn[open_]
+        index, p, w, p_top, low = index[open_], p[open_], w[open_], p_top[open_], p_drawn[open_]
         rows = [rows[i] for i in open_.tolist()]
-    p = probs[index]
     ranked = p.sort(dim=-1, descending=True).values
     before = ranked.cumsum(dim=-1) - ranked
-    last = ((before < top_p[index, None]).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
+    last = ((before < p_top).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
     floor = ranked.gather(-1, last)
-    tokens[index] = _invert_cdf(weights[index].masked_fill(p < floor, 0.0), _uniforms(rows, generators, device))
+    tokens[index] = _invert_cdf(w.masked_fill(p < floor, 0.0), _uniforms(rows, generators, device))
     return tokens
 
 
