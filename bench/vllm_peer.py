@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -105,7 +105,14 @@ STRUCTURED = {
 }
 
 
-def requests(work: Sequence[WorkItem], vocab_size: int, seed: int, structured_share: float = 0.0) -> list[LoadRequest]:
+def requests(
+    work: Sequence[WorkItem],
+    vocab_size: int,
+    seed: int,
+    structured_share: float = 0.0,
+    sampling: dict[str, Any] | None = None,
+) -> list[LoadRequest]:
+    """The load's requests: greedy unless `sampling` gives body fields (temperature, top_p, ...)."""
     prompts = prompt_tokens(work, vocab_size, seed)
     every = round(1 / structured_share) if structured_share > 0 else 0
     # Items labelled with one of our built-in SLO classes name it (its priority reaches the scheduler);
@@ -117,7 +124,7 @@ def requests(work: Sequence[WorkItem], vocab_size: int, seed: int, structured_sh
             it.slo,
             it.arrival_s,
             it.label if it.label in BUILTIN_SLO_CLASSES else None,
-            STRUCTURED if every and i % every == 0 else {},
+            {**(sampling or {}), **(STRUCTURED if every and i % every == 0 else {})},
         )
         for i, (p, it) in enumerate(zip(prompts, work, strict=True))
     ]
@@ -133,12 +140,13 @@ async def measure(
     vocab_size: int,
     structured_share: float = 0.0,
     pid: int | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """The load's figures; with the server's `pid`, also the CPU cores its processes used over the
     run (`cpu_cores`: the server and its children, such as an engine process; `server_cpu_cores`:
     the server's own process) and this client's (`client_cpu_cores`)."""
     work = items(load, shape, seed)
-    reqs = requests(work, vocab_size, seed, structured_share)
+    reqs = requests(work, vocab_size, seed, structured_share, sampling)
     async with aiohttp.ClientSession() as http:
         before = await counters(http, url, contender.is_vllm)
         cpu0, client0 = cpu_seconds(pid) if pid else (0.0, 0.0), time.process_time()
@@ -204,7 +212,18 @@ async def run_phase(
                 for load in PHASES[phase]:
                     seed = load_seed(args.seed, run, load)
                     figs = await asyncio.wait_for(
-                        measure(url, matched.served_name, c, load, shape, seed, vocab_size, args.structured_share, pid),
+                        measure(
+                            url,
+                            matched.served_name,
+                            c,
+                            load,
+                            shape,
+                            seed,
+                            vocab_size,
+                            args.structured_share,
+                            pid,
+                            args.sampling,
+                        ),
                         args.load_timeout_s,
                     )
                     for key, value in figs.items():
@@ -234,6 +253,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="share of requests under a JSON schema (structured_outputs; every k-th request)",
+    )
+    parser.add_argument(
+        "--sampling",
+        type=json.loads,
+        default=None,
+        help='body fields every request carries, as JSON (default greedy): \'{"temperature": 0.7, "top_p": 0.9}\'',
     )
     parser.add_argument("--ready-timeout-s", type=float, default=420.0)
     parser.add_argument("--load-timeout-s", type=float, default=600.0)
@@ -287,6 +312,7 @@ async def main_async(args: argparse.Namespace) -> Results:
             "runs": args.runs,
             "quick": args.quick,
             "structured_share": args.structured_share,
+            "sampling": args.sampling,
             "settings": settings,
             "loads": dataclasses.asdict(shape),
             "slo": {

@@ -26,7 +26,7 @@ from superinfer.bench.peer_settings import (
 )
 from superinfer.bench.peer_table import cell, markdown, rows, spread, versus_vllm
 from superinfer.bench.server_process import Launch, free_port, serving
-from superinfer.bench.vllm_peer import load_seed, measure, parse_counters
+from superinfer.bench.vllm_peer import load_seed, measure, parse_counters, requests
 from superinfer.bench.workload import RequestClass, burst_workload, mixed_workload
 from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.slo import SLO
@@ -82,6 +82,14 @@ def test_peer_loads_are_deterministic_per_seed_and_shaped():
     assert len(items("batch1", shape.quick(), 0)) == 4
     seeds = {load_seed(0, run, load) for run in range(3) for load in ("batch1", "saturation", "hol", "poisson")}
     assert len(seeds) == 12  # no two loads or runs share prompts
+
+
+def test_requests_carry_the_sampling_fields_beside_a_structured_constraint():
+    work = items("saturation", LoadShape(), 0)
+    reqs = requests(work, 3072, 0, structured_share=0.5, sampling={"temperature": 0.7, "top_p": 0.9})
+    assert all(r.fields["temperature"] == 0.7 and r.fields["top_p"] == 0.9 for r in reqs)
+    assert sum("structured_outputs" in r.fields for r in reqs) == len(reqs) // 2
+    assert all(r.fields == {} for r in requests(work, 3072, 0))  # greedy: the client's default body
 
 
 # --- settings matching ----------------------------------------------------------------------------
