@@ -122,6 +122,28 @@ def test_write_through_waits_until_the_gpu_pool_is_half_used():
     assert len(plan.swap_out) == len(second.cpu_block_ids) == 8
 
 
+def test_write_through_ignores_requests_that_wait_only_for_the_token_budget():
+    """A burst whose prefills wait for the token budget, but fits in the free blocks, starts no
+    write-through (with ample memory the copies would only cost); waiting requests that need more
+    blocks than are free do start it."""
+    s = rotary_scheduler(num_blocks=64, num_cpu_blocks=256, budget=4 * BS)
+    first = make_request("first", 4 * BS, max_tokens=100, first_token=1)
+    s.add(first)
+    step(s)
+    for i in range(4):
+        s.add(make_request(f"burst{i}", 4 * BS, max_tokens=100, first_token=10 * i + 20))
+    waited = 0
+    while s.waiting:  # about one prefill a step: they wait for the budget, 20 of 64 blocks in use at most
+        assert step(s).swap_out == []
+        waited += 1
+    assert waited >= 3 and first.cpu_block_ids == [] and s.kv.num_free_blocks > 32
+    for i in range(3):
+        s.add(make_request(f"long{i}", 30 * BS, max_tokens=8, first_token=7 * i + 60))
+    assert s.kv.num_free_blocks > 32  # still most of the pool free, but not enough for them
+    plan = step(s)
+    assert plan.swap_out and len(first.cpu_block_ids) >= 4  # its full blocks go
+
+
 def test_write_through_goes_first_to_the_next_rotation_victim_when_the_tier_is_short():
     """A CPU tier too small for every running request's full blocks: the request the policy would
     rotate out next (here the lower priority one, though admitted second) gets them first, so it

@@ -94,7 +94,8 @@ class ReferenceScheduler(Scheduler):
 
     def _write_through(self, step) -> None:
         pressed = self.kv.num_free_blocks <= WRITE_THROUGH_FREE_SHARE * self.kv.num_blocks
-        if not (pressed or self.waiting or self.rotary):
+        waiting_need = sum(self.kv.blocks_for(r.num_tokens) for r in self.waiting)
+        if not (pressed or waiting_need > self.kv.num_free_blocks or self.rotary):
             return
         start_pos = {seq.request_id: seq.start_pos for seq in step.seqs}
         start_pos |= {req.request_id: start for req, start in zip(step.decoded, step.decode_starts, strict=True)}

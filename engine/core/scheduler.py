@@ -492,11 +492,14 @@ class Scheduler:
         likeliest next rotation victims go first: rotating one out then copies only its tail.
 
         Only the requests in `_unwritten` can have such blocks: the others are not looked at.
-        Nothing is copied while most of the GPU pool is free and no request waits for it: a
-        rotation is unlikely then, and the copies are not free where they share the compute lane
-        (on the CPU). The blocks left unwritten are copied once that changes, or at rotation."""
+        Nothing is copied while most of the GPU pool is free, nothing is rotated out and the
+        waiting requests fit in the free blocks (they wait for the token budget, as a burst's
+        prefills do, not for memory): a rotation is unlikely then, and the copies are not free
+        where they share the compute lane (on the CPU). The blocks left unwritten are copied once
+        that changes, or at rotation."""
         kv = self.kv
-        if kv.pool.num_free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.waiting and not self.rotary:
+        free = kv.pool.num_free
+        if free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.rotary and not self._waiting_outgrow(free):
             return
         candidates = list(filter(self._unwritten.__contains__, self.running))
         order: list[Request] = []
@@ -523,6 +526,15 @@ class Scheduler:
         for req in candidates:
             if not self.kv.unwritten_blocks(req, req.num_computed_tokens):
                 self._unwritten.discard(req)  # written up to its computed tokens, this step's included
+
+    def _waiting_outgrow(self, free: int) -> bool:
+        """The waiting requests' tokens need more GPU blocks than `free` (cached prefixes aside)."""
+        need = 0
+        for req in self.waiting:
+            need += self.kv.blocks_for(req.num_tokens)
+            if need > free:
+                return True
+        return False
 
     def _rotate_out(self, req: Request, step: _Step, reason: str) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
