@@ -1,7 +1,7 @@
 """Run the whole benchmark set for this machine; each writes its JSON to bench/results/.
 
-python -m bench.run            # CPU: peer, sched, host_time, sampler, slo, ragged, cpu_linear (tiny model), moe
-                               # (small MoE models), tp (tiny, -tp 2)
+python -m bench.run            # CPU: peer, sched, host_time, sampler, policy_cost, slo, ragged, cpu_linear
+                               # (tiny model), moe (small MoE models), tp (tiny, -tp 2)
 python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, sampler, slo (llama-3-8b dummy weights)
 """
 
@@ -16,6 +16,7 @@ CPU = [
     ["bench.sched"],
     ["bench.host_time"],
     ["bench.sampler"],
+    ["bench.policy_cost"],
     ["bench.slo"],
     ["bench.ragged"],
     ["bench.cpu_linear"],
