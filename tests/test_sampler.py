@@ -59,6 +59,16 @@ def test_draws_follow_the_truncated_distribution(logits, params, rounds, monkeyp
     assert (got - want).abs().sum() / 2 < 0.015  # total variation; its noise at 40k draws is ~0.005
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", PARAMS.values(), ids=PARAMS.keys())
+def test_draws_on_cuda_follow_the_truncated_distribution(params):
+    """On CUDA every top-p row takes the sort path (no round waits on the host)."""
+    torch.manual_seed(0)
+    logits = ROWS["peaked"]
+    want, got = target(logits, params), frequencies(logits.cuda(), params).cpu()
+    assert torch.all(got[want == 0] == 0) and (got - want).abs().sum() / 2 < 0.015
+
+
 def test_top_p_applies_to_the_renormalised_top_k_set():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
     # top-2 renormalised: 0.625 already covers 0.6, so only the first token is left
