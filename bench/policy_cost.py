@@ -3,7 +3,7 @@
 The peer benchmark's saturation load (64 requests at once, prompts 32–96 tokens, 128 out, greedy)
 on the tiny model with its matched settings (1024 blocks of 32 tokens, 64 sequences, 512 batched
 tokens, one torch thread, float32), run through EngineCore directly: no HTTP server and no client
-share the 2 cores, so a run varies far less than through `vllm_peer`. The two engines alternate
+take CPU beside the engine, and its copies and scheduler are timed. The two engines alternate
 (the first of each pair swaps every run) on the same prompts, new ones each run (no prefix hits).
 Reports per policy the median tokens/s, CPU seconds (this process, all its threads), steps, host
 time per step (schedule + update) and block copies; for tokens/s and CPU seconds the geometric
