@@ -108,3 +108,10 @@ def test_greedy_rows_beside_random_rows_take_the_argmax():
     params = [SamplingParams(temperature=0), SamplingParams(top_p=0.5), SamplingParams(temperature=0), SamplingParams()]
     tokens, _ = sample(logits, params, [None] * 4)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_the_sampler_bench_times_every_mode():
+    from superinfer.bench.sampler import MODES, time_mode
+
+    logits = torch.randn(8, 64, generator=torch.Generator().manual_seed(6))
+    assert all(time_mode(logits, params, repeats=1) > 0 for params in MODES.values())
