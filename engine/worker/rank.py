@@ -20,6 +20,7 @@ from superinfer.engine.model.packed_linear import pack_linears
 from superinfer.engine.model.sharding import TensorParallel
 from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.worker.attention import allocate_kv_cache
+from superinfer.engine.worker.heap import retain_freed_heap
 from superinfer.engine.worker.runner import ModelRunner, torch_threads
 from superinfer.engine.worker.streams import Streams
 
@@ -53,6 +54,8 @@ def rank_threads(requested: int | None, ranks: int) -> int:
 
 def load_shard(config: EngineConfig, device: torch.device, tp: TensorParallel) -> LoadedModel:
     torch.set_num_threads(rank_threads(config.torch_threads, tp.size))
+    if device.type == "cpu":
+        retain_freed_heap()  # steps reuse freed buffers instead of faulting in fresh pages
     torch.manual_seed(config.seed)
     return load_model(
         config.model,
