@@ -16,16 +16,16 @@ from superinfer.engine.worker.heap import retain_freed_heap
 torch.set_num_threads(1)
 if sys.argv[1] == "retain":
     assert retain_freed_heap()
-x = torch.randn(1024, 3072)
-def step():
+batches = [torch.randn(rows, 3072) for rows in (1024, 256, 768, 512)]  # a batch that changes size
+def step(x):
     p = x.softmax(-1)
     return p.cumsum(-1).sum() + p.masked_fill(p < 1e-4, 0.0).sum()
-for _ in range(5):
-    step()
+for i in range(8):
+    step(batches[i % 4])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-    step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+for i in range(40):
+    step(batches[i % 4])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 40)
 """
 
 
@@ -37,8 +37,10 @@ def faults_per_step(mode: str) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_step_buffers_are_reused_instead_of_mapped_again():
     default, retained = faults_per_step("default"), faults_per_step("retain")
-    assert default > 500  # 4 to 28 MB of fresh pages a step, as glibc adjusts its thresholds
-    assert retained < default / 4
+    # A step allocates ~25 MB (~6,000 pages). Measured: 550 to 1,700 faults a step by default (as
+    # glibc adjusts its thresholds), 10 to 100 with the heap retained.
+    assert retained < 250
+    assert default > 2 * retained
 
 
 def test_it_is_safe_to_call_again():
