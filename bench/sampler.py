@@ -3,6 +3,7 @@ the tiny model (vocab 3072) and of real vocabularies (32k, Llama-3's 128k).
 
 Logits are seeded normal scores (scale 3, so the top tokens dominate as in a real model); each
 mode's params are the same for every row. Medians over `--repeats` calls, after one warm-up. On
+the CPU the process keeps freed memory in its heap first, as the engine's CPU ranks do. On
 the CPU it also times the tiny engine's whole model step (forward and sampling, `host_time`'s
 `model`) at `--engine-batches` with top-p sampling, for scale.
 
@@ -20,6 +21,7 @@ import torch
 from superinfer.bench.host_time import measure
 from superinfer.bench.record import write_result
 from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.worker.heap import retain_freed_heap
 from superinfer.engine.worker.sampling import sample
 
 MODES = {
@@ -56,6 +58,8 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="names a variant run's results file (sampler-TAG-DEVICE-DATE.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        retain_freed_heap()
     figures: dict[str, dict[str, float]] = {}
     for shape in args.shapes.split(","):
         batch, vocab = map(int, shape.split("x"))
