@@ -24,16 +24,19 @@ import time
 
 from superinfer.bench.host_time import timed
 from superinfer.bench.peer_loads import LoadShape, items
+from superinfer.bench.peer_settings import Matched
 from superinfer.bench.record import write_result
 from superinfer.bench.workload import prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
+from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.output import RequestOutput
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.engine.worker.runner import StepOutput
 
+AMPLE_BLOCKS = 1024  # vllm_peer's --ample-blocks default
 # Two-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's).
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 T95 |= {11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09}
@@ -54,19 +57,20 @@ class Contender:
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
+        m = Matched(ensure_tiny_model(), num_blocks=AMPLE_BLOCKS)  # what the peer bench gives both servers
         self.core = EngineCore(
             EngineConfig(
-                model="tiny",
+                model=str(m.model_dir),
                 device="cpu",
-                dtype="float32",
+                dtype=m.dtype,
                 torch_threads=1,
                 engine_process=False,
                 policy=policy,
-                num_gpu_blocks=1024,
-                block_size=32,
-                max_num_seqs=64,
-                max_num_batched_tokens=512,
-                max_model_len=1024,
+                num_gpu_blocks=m.num_blocks,
+                block_size=m.block_size,
+                max_num_seqs=m.max_num_seqs,
+                max_num_batched_tokens=m.max_num_batched_tokens,
+                max_model_len=m.max_model_len,
             )
         )
         self.host: list[float] = []
