@@ -1,13 +1,19 @@
-"""attn: decode attention on Llama-3-8B shapes, the Triton backend against the torch backend.
+"""attn: paged attention on Llama-3-8B shapes, the Triton kernels against the torch backend and SDPA.
 
 B sequences of C keys each in shuffled blocks, one query token each (32 query heads, 8 KV heads,
 head_dim 128, bf16). Per (B, C): the time of one layer's attention call of each backend (its KV
 write included), the Triton decode kernel alone, and the bandwidth that kernel achieves: the K and
 V bytes it must read, B x C x 2 x 8 x 128 x 2, over its time, also as a share of the HBM bandwidth
 measured in the same run (a large device-to-device copy). Also the host time to build one step's
-metadata for each backend. GPU only: there is nothing to measure on a CPU.
+metadata for each backend. Prefill: one sequence of T new tokens (no earlier context) in
+shuffled blocks, the Triton prefill kernel against torch's SDPA (flash) on contiguous K and V
+already expanded to every query head, both causal; TFLOP/s count 2 x T^2 x heads x head_dim.
+`--sweep` times each kernel's launch configurations (keys per tile, warps, pipeline stages) at
+B=64 x 2k (decode) and T=4096 (prefill) and reports the fastest, so the defaults are measured.
+GPU only: there is nothing to measure on a CPU.
 
     python -m bench.attn [--batches 1,8,32,64,128,256] [--contexts 1024,2048,4096,8192] [--block-size 16]
+                         [--prefill 1024,4096,8192] [--sweep]
 
 The cache holds 2 layers (the benchmark attends layer 1): a block's K of one layer is the same
 contiguous run as in a 32-layer cache (block_size x 8 x 128 elements), at a shorter block stride.
@@ -16,13 +22,17 @@ contiguous run as in a 32-layer cache (block_size x 8 x 128 elements), at a shor
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from superinfer.bench.record import write_result
 from superinfer.engine.worker.attention import SeqSpan, torch_attention
@@ -104,11 +114,120 @@ def measure(batch: int, context: int, block_size: int, device: torch.device, hbm
     return figures
 
 
+def prefill_step(tokens: int, block_size: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """A cache holding one sequence's `tokens` keys in shuffled blocks, and those block ids."""
+    spans, cache = decode_step(1, tokens, block_size, device)
+    return spans[0].block_ids, cache
+
+
+def measure_prefill(tokens: int, block_size: int, device: torch.device) -> dict[str, float]:
+    from superinfer.kernels.paged_prefill import ExtendBatch, paged_prefill
+
+    block_ids, cache = prefill_step(tokens, block_size, device)
+    group = HEADS // KV_HEADS
+    batch = ExtendBatch.build([0], [tokens], [tokens], [block_ids], block_size, group, device)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    ids = torch.tensor(block_ids, device=device)
+    k, v = (cache[ids, 1, i].reshape(-1, KV_HEADS, HEAD_DIM)[:tokens] for i in (0, 1))
+    # SDPA's best case: [1, H, T, D] contiguous, K and V already repeated to every query head.
+    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
+    k4, v4 = (t.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous() for t in (k, v))
+    ours_us = cuda_time_us(lambda: paged_prefill(q, cache, 1, batch, scale, out=out))
+    sdpa_us = cuda_time_us(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale))
+    sdpa = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)[0].transpose(0, 1)
+    torch.testing.assert_close(out, sdpa, atol=2e-2, rtol=2e-2)
+    flops = 2 * tokens * tokens * HEADS * HEAD_DIM
+    return {
+        f"triton_prefill_t{tokens}_us": ours_us,
+        f"sdpa_prefill_t{tokens}_us": sdpa_us,
+        f"triton_prefill_t{tokens}_tflops": flops / ours_us / 1e6,
+        f"sdpa_prefill_t{tokens}_tflops": flops / sdpa_us / 1e6,
+        f"triton_prefill_t{tokens}_speed_vs_sdpa": sdpa_us / ours_us,
+    }
+
+
+@contextlib.contextmanager
+def launch_config(module: ModuleType, **values: int) -> Iterator[None]:
+    """The kernel module's launch constants set to `values` for the block."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def sweep(block_size: int, device: torch.device, hbm: float) -> dict[str, float]:
+    """Each decode and prefill launch configuration timed on one shape; a configuration that fails
+    to compile or differs from the default's output is reported, not kept."""
+    from superinfer.kernels import paged_decode as decode_module
+    from superinfer.kernels import paged_prefill as prefill_module
+    from superinfer.kernels.paged_decode import DecodeBatch
+    from superinfer.kernels.paged_prefill import ExtendBatch
+
+    figures: dict[str, float] = {}
+    scale = HEAD_DIM**-0.5
+    batch, context = 64, 2048
+    spans, cache = decode_step(batch, context, block_size, device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    read = batch * context * 2 * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    args = ([s.row for s in spans], [s.context for s in spans], [s.block_ids for s in spans], block_size, device)
+    expected = decode_module.paged_decode(q, cache, 1, DecodeBatch.build(*args, KV_HEADS), scale)
+    for keys, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 3)):
+        name = f"sweep_decode_n{keys}_w{warps}_s{stages}"
+        try:
+            with launch_config(decode_module, BLOCK_N=keys, NUM_WARPS=warps, NUM_STAGES=stages):
+                plan = DecodeBatch.build(*args, KV_HEADS)
+                torch.testing.assert_close(
+                    decode_module.paged_decode(q, cache, 1, plan, scale), expected, atol=2e-2, rtol=2e-2
+                )
+                us = cuda_time_us(lambda plan=plan: decode_module.paged_decode(q, cache, 1, plan, scale))
+        except Exception as e:  # a configuration that does not compile (shared memory, registers) or is wrong
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        figures[f"{name}_us"] = us
+        print(f"{name}: {us:8.1f} us, {read / (us * 1e-6) / hbm:.0%} of HBM", flush=True)
+
+    tokens = 4096
+    block_ids, cache = prefill_step(tokens, block_size, device)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    group = HEADS // KV_HEADS
+    build = lambda: ExtendBatch.build([0], [tokens], [tokens], [block_ids], block_size, group, device)
+    expected = prefill_module.paged_prefill(q, cache, 1, build(), scale)
+    flops = 2 * tokens * tokens * HEADS * HEAD_DIM
+    for rows, keys, warps, stages in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+        name = f"sweep_prefill_r{rows}_n{keys}_w{warps}_s{stages}"
+        try:
+            with launch_config(prefill_module, ROWS=rows, BLOCK_N=keys, NUM_WARPS=warps, NUM_STAGES=stages):
+                plan = build()
+                torch.testing.assert_close(
+                    prefill_module.paged_prefill(q, cache, 1, plan, scale), expected, atol=2e-2, rtol=2e-2
+                )
+                us = cuda_time_us(lambda plan=plan: prefill_module.paged_prefill(q, cache, 1, plan, scale))
+        except Exception as e:
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        figures[f"{name}_us"] = us
+        print(f"{name}: {us:8.1f} us, {flops / us / 1e6:.0f} TFLOP/s", flush=True)
+    for kind in ("decode", "prefill"):
+        timed = {k: v for k, v in figures.items() if k.startswith(f"sweep_{kind}_")}
+        if timed:
+            best = min(timed, key=timed.__getitem__)
+            print(f"fastest {kind}: {best} {timed[best]:.1f} us")
+    return figures
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--contexts", default="1024,2048,4096,8192")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prefill", default="1024,4096,8192", help="prefill lengths (tokens)")
+    parser.add_argument("--sweep", action="store_true", help="time the kernels' launch configurations")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -137,7 +256,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                 flush=True,
             )
             torch.cuda.empty_cache()
-    goal = {"triton_decode_b64_c4096_share_of_hbm": ">= 0.7", "triton_layer_*_us": "< torch_layer_*_us everywhere"}
+    for tokens in (int(t) for t in args.prefill.split(",") if t):
+        got = measure_prefill(tokens, args.block_size, device)
+        figures.update(got)
+        print(
+            f"prefill T={tokens:5d}: triton {got[f'triton_prefill_t{tokens}_tflops']:5.0f} TFLOP/s, "
+            f"SDPA {got[f'sdpa_prefill_t{tokens}_tflops']:5.0f} TFLOP/s "
+            f"({got[f'triton_prefill_t{tokens}_speed_vs_sdpa']:.2f}x SDPA's speed)",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    if args.sweep:
+        figures.update(sweep(args.block_size, device, hbm))
+    goal = {
+        "triton_decode_b64_c2048_share_of_hbm": ">= 0.85",
+        "triton_prefill_t*_speed_vs_sdpa": ">= 0.9",
+        "triton_layer_*_us": "< torch_layer_*_us everywhere",
+    }
     extra = {
         "shapes": f"Llama-3-8B attention: {HEADS} q heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16",
         "block_size": args.block_size,

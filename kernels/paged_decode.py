@@ -37,6 +37,7 @@ from superinfer.kernels.common import (
 # and take all 255 registers at 8). Not yet tuned by timing on a GPU.
 BLOCK_N = 32
 NUM_WARPS = 4
+NUM_STAGES = 3  # Triton's default on CUDA
 MIN_SPLIT = 512  # keys: a shorter split costs more in the reduction than it gains
 
 
@@ -264,6 +265,7 @@ def paged_decode(
         UPCAST=upcast(q.dtype),
         PRECISION=dot_precision(q.dtype),
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if split:
         _reduce_kernel[(num_seqs, heads)](

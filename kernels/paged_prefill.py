@@ -37,6 +37,7 @@ from superinfer.kernels.paged_decode import attention_reference, gather_context
 BLOCK_N = 64  # keys per tile
 ROWS = 64  # query rows (tokens x heads of a KV head) per tile
 NUM_WARPS = 8  # 4 spill registers with head_dim 128 on sm_90 (ptxas -v); not yet tuned by timing on a GPU
+NUM_STAGES = 3  # Triton's default on CUDA
 
 
 def block_m(group: int) -> int:
@@ -227,6 +228,7 @@ def paged_prefill(
         UPCAST=upcast(q.dtype),
         PRECISION=dot_precision(q.dtype),
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return out
 

@@ -108,20 +108,25 @@ def test_async_scheduling_on_cuda_matches_sync():
 
 def test_pinned_cpu_tier_takes_exactly_its_size(monkeypatch):
     """The CPU tier is not torch's pinned allocator (which rounds up to a power of two): it pins
-    exactly its blocks, registered in slabs, and copies across slab boundaries are exact."""
+    exactly its blocks, registered in slabs, and runs of blocks across slab boundaries copy exactly."""
     from superinfer.engine.worker import host_memory
+    from superinfer.engine.worker.duplex import copy_blocks
 
     block = 2 << 20
-    monkeypatch.setattr(host_memory, "SLAB_BYTES", 3 * block)  # two whole blocks per slab
+    monkeypatch.setattr(host_memory, "SLAB_BYTES", 3 * block)  # three blocks per slab
     allocated = torch.cuda.host_memory_stats().get("allocated_bytes.allocated", 0)
     n = 9 * block  # not a power of two
     cpu = host_memory.host_tensor(n, pin=True, align=block)
     assert cpu.nbytes == n and cpu.is_pinned()
     assert torch.cuda.host_memory_stats().get("allocated_bytes.allocated", 0) == allocated
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
-    cpu.copy_(src, non_blocking=True)
+    # One copy may not span two registrations (CUDA refuses it): a run of all 9 blocks goes as 3.
+    boundary = host_memory.slab_bytes(block) // block
+    assert boundary == 3
+    tier, src = cpu.view(9, block), torch.randint(0, 256, (9, block), dtype=torch.uint8, device="cuda")
+    pairs = [(i, i) for i in range(9)]
+    assert copy_blocks(src, tier, pairs, dst_boundary=boundary) == 3
     back = torch.empty_like(src)
-    back.copy_(cpu, non_blocking=True)
+    assert copy_blocks(tier, back, pairs, src_boundary=boundary) == 3
     torch.cuda.synchronize()
     assert torch.equal(back, src)
     del cpu  # unregisters every slab; a second tensor over fresh memory pins again

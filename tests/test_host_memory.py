@@ -13,7 +13,8 @@ import torch
 
 from superinfer.engine.worker import host_memory
 from superinfer.engine.worker.attention import allocate_kv_cache
-from superinfer.engine.worker.host_memory import available_host_bytes, default_tier_bytes, host_tensor
+from superinfer.engine.worker.duplex import coalesce
+from superinfer.engine.worker.host_memory import available_host_bytes, default_tier_bytes, host_tensor, slab_bytes
 from tests.test_engine import engine
 
 GIB = 1 << 30
@@ -103,6 +104,24 @@ def test_slabs_of_blocks_that_are_not_whole_pages_never_share_a_page(cudart, mon
     assert all(start % PAGE == 0 and size % (3 * PAGE) == 0 for start, size in spans[:-1])
     assert spans[-1][0] + spans[-1][1] == t.data_ptr() + -(-t.nbytes // PAGE) * PAGE
     assert sum(size for _, size in spans) == -(-t.nbytes // PAGE) * PAGE
+
+
+def test_block_runs_split_where_a_registration_of_the_pinned_tier_ends(cudart, monkeypatch):
+    """One CUDA copy must stay within one registration: DuplexKV's runs of consecutive blocks
+    split at the tier's slab boundaries, and only on the tier's side."""
+    block = 3 * PAGE
+    monkeypatch.setattr(host_memory, "SLAB_BYTES", 7 * PAGE)  # two blocks per slab
+    tier = host_tensor(5 * block, pin=True, align=block)
+    boundary = slab_bytes(block) // block
+    pairs = [(11 + i, i) for i in range(5)]  # GPU blocks 11..15 out to tier blocks 0..4
+    runs = coalesce(pairs, dst_boundary=boundary)
+    assert [n for *_, n in runs] == [2, 2, 1]
+    slabs = cudart.registered.items()
+    for _, dst, n in runs:
+        first, end = tier.data_ptr() + dst * block, tier.data_ptr() + (dst + n) * block
+        assert any(start <= first and end <= start + size for start, size in slabs)
+    assert coalesce([(d, s) for s, d in pairs], src_boundary=boundary) == [(d, s, n) for s, d, n in runs]
+    assert coalesce(pairs) == [(11, 0, 5)]
 
 
 def test_a_failed_registration_unregisters_the_slabs_before_it(monkeypatch):

@@ -212,7 +212,7 @@ def _causal_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return out.transpose(0, 1)
 
     with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(len(ids)), attend))
+        return model.compute_logits(model(ids, torch.arange(len(ids), device=ids.device), attend))
 
 
 def test_logits_match_transformers(checkpoint: tuple[str, Path]) -> None:

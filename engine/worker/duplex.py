@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.worker.host_memory import slab_bytes
 from superinfer.engine.worker.streams import Access, HostStreams, Lane, Span, Streams
 
 DuplexMode = Literal["full", "half", "serial"]
@@ -37,20 +38,30 @@ COPY_LANES: dict[str, tuple[Lane, Lane]] = {  # mode -> (copy-out lane, copy-in 
 }
 
 
-def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(src, dst) block pairs -> (src_start, dst_start, count) runs, consecutive on both sides."""
+def coalesce(pairs: list[tuple[int, int]], src_boundary: int = 0, dst_boundary: int = 0) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs -> (src_start, dst_start, count) runs, consecutive on both sides;
+    a block whose src (dst) id is a multiple of `src_boundary` (`dst_boundary`) starts a run."""
     runs: list[tuple[int, int, int]] = []
     for src, dst in sorted(pairs):
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+        if (
+            runs
+            and runs[-1][0] + runs[-1][2] == src
+            and runs[-1][1] + runs[-1][2] == dst
+            and not (src_boundary and src % src_boundary == 0)
+            and not (dst_boundary and dst % dst_boundary == 0)
+        ):
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((src, dst, 1))
     return runs
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> int:
-    """Copy whole blocks src[s] -> dst[d]; returns the number of copy calls issued."""
-    runs = coalesce(pairs)
+def copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]], src_boundary: int = 0, dst_boundary: int = 0
+) -> int:
+    """Copy whole blocks src[s] -> dst[d]; returns the number of copy calls issued. A boundary is
+    a pinned tier's registration size in blocks: no copy may span two registrations."""
+    runs = coalesce(pairs, src_boundary, dst_boundary)
     for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
     return len(runs)
@@ -123,6 +134,9 @@ class DuplexKV:
             raise ValueError(f"unknown duplex mode {mode!r}; choose one of {', '.join(COPY_LANES)}")
         self.gpu = gpu_cache
         self.cpu = cpu_cache
+        block_bytes = gpu_cache[0].nbytes
+        pinned = cpu_cache is not None and cpu_cache.is_pinned()
+        self.boundary = slab_bytes(block_bytes) // block_bytes if pinned else 0  # CPU-tier blocks per registration
         self.streams = streams or HostStreams()
         self.mode = mode
         self.out_lane, self.in_lane = COPY_LANES[mode]
@@ -140,7 +154,7 @@ class DuplexKV:
             after = self._compute_of(plan.swap_in_after) + self._copy_out_of(plan.swap_in_after_copy)
             step.copy_in = self.streams.run(
                 self.in_lane,
-                lambda: copy_blocks(self.cpu, self.gpu, plan.swap_in),
+                lambda: copy_blocks(self.cpu, self.gpu, plan.swap_in, src_boundary=self.boundary),
                 after,
                 lambda: copy_access(plan.swap_in, "cpu", "gpu"),
                 f"copy_in {plan.step_id}",
@@ -148,7 +162,7 @@ class DuplexKV:
         if plan.swap_out:
             step.copy_out = self._copy_outs[plan.step_id] = self.streams.run(
                 self.out_lane,
-                lambda: copy_blocks(self.gpu, self.cpu, plan.swap_out),
+                lambda: copy_blocks(self.gpu, self.cpu, plan.swap_out, dst_boundary=self.boundary),
                 self._compute_of(plan.swap_out_after),
                 lambda: copy_access(plan.swap_out, "gpu", "cpu"),
                 f"copy_out {plan.step_id}",

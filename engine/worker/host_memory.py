@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 # Registrations are at most this large (in whole blocks): a single huge cudaHostRegister can be
-# refused where slabs succeed. A copy that straddles two slabs is still correct (the driver may
-# stage it like pageable memory); with block-aligned slabs that needs a coalesced run of blocks
-# across a slab boundary, which is rare.
+# refused where slabs succeed. One copy must stay within one registration (one that straddles two
+# fails with cudaErrorInvalidValue, seen on an H100 with CUDA 13): DuplexKV splits its runs of
+# blocks at slab boundaries (`slab_bytes`).
 SLAB_BYTES = 32 << 30
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 
@@ -61,10 +61,16 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
+def slab_bytes(align: int) -> int:
+    """Bytes per registration of a tensor pinned with `align`: whole pages and whole `align` units
+    (slabs never share a page, and end between blocks), at most SLAB_BYTES where that allows."""
+    unit = math.lcm(align, mmap.PAGESIZE)
+    return max(unit, SLAB_BYTES // unit * unit)
+
+
 def _register(base: int, length: int, align: int, slabs: list[int]) -> None:
     """Page-lock [base, base + length) for CUDA in slabs, appending each slab's address."""
-    unit = math.lcm(align, mmap.PAGESIZE)  # slabs never share a page, and end between blocks
-    slab = max(unit, SLAB_BYTES // unit * unit)
+    slab = slab_bytes(align)
     cudart = torch.cuda.cudart()
     for start in range(0, length, slab):
         code = int(cudart.cudaHostRegister(base + start, min(slab, length - start), _REGISTER_PORTABLE))

@@ -38,10 +38,12 @@ class TokenHistories:
             if not self.free_rows:
                 self._grow()
             row = self.row_of[request_id] = self.free_rows.pop()
-            self.output_counts[row] = 0
-            self.in_prompt[row] = False
+            self.output_counts[row].zero_()
+            self.in_prompt[row].zero_()
             prompt = device_tensor(prompt_token_ids, torch.long, self.device)
-            self.in_prompt[row, prompt] = True
+            self.in_prompt[row].index_fill_(
+                0, prompt, True
+            )  # (an index_put_ of True would copy it from the host: a sync)
         return row
 
     def rows(
