@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "block_size": args.block_size,
         "triton": triton.__version__,
     }
-    print(f"wrote {write_result('attn', args.device, figures, goal, extra)}")
+    print(f"wrote {write_result('attn', args.device, figures, goal, extra, tag='sweep' if args.sweep else '')}")
 
 
 if __name__ == "__main__":

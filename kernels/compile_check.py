@@ -122,15 +122,17 @@ def resources(compiled: Any) -> str:
 def engine_launches(dtype: torch.dtype) -> list[Launch]:
     """One step's launches at Llama-3-8B shapes: KV write, decodes (one split and several),
     extends, and block gather and scatter."""
-    cache = torch.zeros(8, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    keys = 2 * paged_decode.BLOCK_N  # the longer sequence's context: one split, or two
+    per_seq = keys // BLOCK_SIZE
+    cache = torch.zeros(2 * per_seq, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
     q = torch.zeros(6, HEADS, HEAD_DIM, dtype=dtype)
     k = torch.zeros(6, KV_HEADS, HEAD_DIM, dtype=dtype)
     cpu = torch.device("cpu")
-    ids = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    ids = [list(range(per_seq)), list(range(per_seq, 2 * per_seq))]
     with recording() as launches:
         kv_write.kv_write(cache, 1, k, k, torch.zeros(6, dtype=torch.int32))
-        for split_keys in (64, paged_decode.BLOCK_N):
-            decodes = paged_decode.DecodeBatch.build([0, 1], [60, 64], ids, BLOCK_SIZE, cpu, KV_HEADS, split_keys)
+        for split_keys in (keys, paged_decode.BLOCK_N):
+            decodes = paged_decode.DecodeBatch.build([0, 1], [60, keys], ids, BLOCK_SIZE, cpu, KV_HEADS, split_keys)
             paged_decode.paged_decode(q, cache, 1, decodes, 0.1)
         group = HEADS // KV_HEADS
         extends = paged_prefill.ExtendBatch.build([0, 4], [4, 2], [60, 2], ids, BLOCK_SIZE, group, cpu)
