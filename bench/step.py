@@ -1,7 +1,8 @@
 """step: engine decode and prefill throughput against the hardware limits measured in the same run.
 
 Decode: B requests at a given context length; the time per step against the roofline
-(weight bytes + KV bytes read) / measured HBM bandwidth, with and without async scheduling.
+(weight bytes + KV bytes read) / measured HBM bandwidth: with async scheduling and CUDA graphs
+(the defaults on a GPU), without the graphs (`_eager`), and without async scheduling (`_sync`).
 Prefill: tokens per second and the share of bf16 peak (2 x active parameters x tokens FLOPs).
 
     python -m bench.step --device cuda --model llama-3-8b [--batches 1,16,64,256] [--context 2048]
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     args = parser.parse_args()
     device = torch.device(args.device)
     core = EngineCore(
@@ -99,6 +101,7 @@ def main() -> None:
             max_num_batched_tokens=max(args.prefill_tokens, 8192),
             max_model_len=max(args.context + args.steps, args.prefill_tokens) + 8,
             gpu_memory_utilization=0.92,
+            enforce_eager=args.enforce_eager,
         )
     )
     mc = core.model_config
@@ -106,21 +109,29 @@ def main() -> None:
     kv_per_token = mc.kv_bytes_per_token(core.dtype.itemsize)
     bw = hbm_bandwidth(device)
     figures: dict[str, float] = {"hbm_gb_s_measured": bw / 1e9, "weight_gb": weight_bytes / 1e9}
+    graphs = core.runner.graphs
+    decode(core, 2, 64, 2, True)  # warm-up: every kernel compiled before anything is timed
     for b in (int(x) for x in args.batches.split(",")):
         if core.kv.blocks_for(args.context + args.steps + 4) * b > core.kv.num_blocks:
             print(f"B={b}: does not fit in {core.kv.num_blocks} KV blocks, skipped")
             continue
         bound = (weight_bytes + b * (args.context + args.steps // 2) * kv_per_token) / bw
-        for mode, suffix in ((False, "_sync"), (True, "")):
+        # (async scheduling, CUDA graphs): the default, without graphs, and synchronous
+        for mode, use_graphs, suffix in ((True, True, ""), (True, False, "_eager"), (False, True, "_sync")):
+            if not use_graphs and graphs is None:
+                continue
+            core.runner.graphs = graphs if use_graphs else None
             seconds = decode(core, b, args.context, args.steps, mode)
             figures[f"decode_b{b}_ms{suffix}"] = 1000 * seconds
             figures[f"decode_b{b}_tok_s{suffix}"] = b / seconds
             figures[f"decode_b{b}_share_of_roofline{suffix}"] = bound / seconds
+            label = ("async" if mode else "sync") + ("" if use_graphs and graphs is not None else " eager")
             print(
-                f"decode B={b:4d} {'async' if mode else 'sync':5s}: {1000 * seconds:8.2f} ms/step  "
+                f"decode B={b:4d} {label:11s}: {1000 * seconds:8.2f} ms/step  "
                 f"{b / seconds:9.0f} tok/s  roofline share {bound / seconds:.2f}",
                 flush=True,
             )
+    core.runner.graphs = graphs
     seconds = prefill(core, args.prefill_tokens)
     flops = 2 * mc.num_active_params() * args.prefill_tokens  # MoE: the top-k experts
     figures["prefill_tok_s"] = args.prefill_tokens / seconds
@@ -135,6 +146,7 @@ def main() -> None:
         "context": args.context,
         "dtype": str(core.dtype).split(".")[-1],
         "attention": core.runner.attention_backend,
+        "cuda_graphs": graphs is not None,
     }
     print(f"wrote {write_result('step', args.device, figures, goal, extra)}")
 

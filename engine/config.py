@@ -94,6 +94,12 @@ class EngineConfig(BaseModel):
         "the CPU cpu when it builds, else torch)",
     )
 
+    enforce_eager: bool = Field(
+        False,
+        description="run every step op by op; otherwise, on one GPU with the triton attention, decode steps replay "
+        "a CUDA graph captured at startup for each padded batch size",
+    )
+
     # Scheduler
     policy: Literal["fcfs", "rotary", "watermark"] = "fcfs"
     max_num_seqs: int = Field(256, ge=1)

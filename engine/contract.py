@@ -71,6 +71,8 @@ SERVE_FLAGS = (
     "--no-write-through",
     "--cpu-linear",
     "--attention-backend",
+    "--enforce-eager",
+    "--no-enforce-eager",
     "--policy",
     "--max-num-seqs",
     "--max-num-batched-tokens",

@@ -157,6 +157,8 @@ class EngineCore:
         self.runner, memory = make_runner(
             config, loaded, self.device, num_blocks, num_cpu_blocks, streams, self.grammars
         )
+        if not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         ranks = [memory]
         if self.workers is not None:
             ranks += [m for (m,) in self.workers.receive("ready")]

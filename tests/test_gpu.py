@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_cuda_greedy_tokens_match_cpu():
+    """On CUDA the decode steps replay CUDA graphs (Triton attention): the CPU's greedy tokens."""
     sampling = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = {}
     for device in ("cpu", "cuda"):
@@ -24,6 +25,7 @@ def test_cuda_greedy_tokens_match_cpu():
         prompts = random_prompts(8, core.model_config.vocab_size, seed=3, hi=100)
         outs[device] = run(core, prompts, sampling)
     assert outs["cuda"] == outs["cpu"]
+    assert core.runner.graphs is not None and core.runner.graphs.replays >= 15  # the decode steps
 
 
 def test_dummy_preset_serves_on_cuda_in_bf16():

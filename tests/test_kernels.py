@@ -231,7 +231,7 @@ def test_backend_choice() -> None:
     assert attention_backend("auto", cache, 4)[0] == ("triton" if GPU else "cpu")
 
 
-def _greedy(backend: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+def _engine(backend: str, **config: object) -> EngineCore:
     core = EngineCore(
         EngineConfig(
             model="tiny",
@@ -241,12 +241,16 @@ def _greedy(backend: str, prompts: list[list[int]], tokens: int) -> list[list[in
             num_gpu_blocks=16,
             max_model_len=64,
             attention_backend=backend,
+            **config,
         )
     )
     assert core.runner.attention_backend == backend
-    greedy = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        core.add_request(str(i), prompt, greedy)
+    return core
+
+
+def _greedy(core: EngineCore, prompts: list[list[int]], tokens: Sequence[int]) -> list[list[int]]:
+    for i, (prompt, n) in enumerate(zip(prompts, tokens, strict=True)):
+        core.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     out: list[list[int]] = [[] for _ in prompts]
     while core.has_work:
         for o in core.step():
@@ -258,9 +262,29 @@ def test_engine_greedy_tokens_match_torch_backend() -> None:
     """The tiny model (4 layers, GQA 2, head_dim 64) on the Triton kernels: prefill across a block
     boundary, then decodes crossing the next one; the same greedy tokens as the torch backend."""
     prompts = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000]]
-    triton_tokens = _greedy("triton", prompts, 6)
-    assert triton_tokens == _greedy("torch", prompts, 6)
+    triton_tokens = _greedy(_engine("triton"), prompts, [6, 6])
+    assert triton_tokens == _greedy(_engine("torch"), prompts, [6, 6])
     assert all(len(t) == 6 for t in triton_tokens)
+
+
+def test_decode_graphs_give_the_op_by_op_tokens() -> None:
+    """Decode steps through the CUDA graphs' static buffers (replayed on CUDA; without CUDA the same
+    buffers run op by op): padded rows, a batch larger than the largest graph (op by op), requests
+    finishing at different steps; the tokens of op-by-op steps."""
+    from superinfer.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+
+    assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert graph_batch_sizes(4096)[-1] == 512
+    prompts = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000], [7, 8], [300, 301, 302, 303, 304], [9]]
+    tokens = [6, 9, 3, 7, 5]
+    core = _engine("triton")
+    with torch.inference_mode():
+        runner = core.runner
+        graphs = runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.scale, 64, [1, 2, 4])
+    out = _greedy(core, prompts, tokens)
+    assert out == _greedy(_engine("triton", enforce_eager=True), prompts, tokens)
+    assert [len(t) for t in out] == tokens
+    assert 0 < graphs.replays < max(tokens)  # five rows ran op by op
 
 
 def test_kernels_compile_for_a_gpu_without_one(tmp_path) -> None:

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import torch
 
 from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
 from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.model.moe import SparseMoE
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.worker.attention import SeqSpan, attention_backend
 from superinfer.engine.worker.device_tensor import device_tensor
@@ -30,6 +33,9 @@ from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, Ste
 from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
 from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
 from superinfer.engine.worker.token_history import TokenHistories
+
+if TYPE_CHECKING:
+    from superinfer.engine.worker.cuda_graphs import DecodeGraphs  # imports triton
 
 log = logging.getLogger("superinfer.runner")
 
@@ -103,6 +109,12 @@ class _StepInputs:
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_ids: list[str] = field(default_factory=list)  # whose token from the previous step
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is a sequence's one new token, sampled (what the decode graphs run)."""
+        one_token_rows = self.spans[-1].row == len(self.spans) - 1
+        return one_token_rows and len(self.sample_rows) == len(self.spans) and not self.prompt_rows
 
 
 @dataclass(frozen=True)
@@ -204,6 +216,24 @@ class ModelRunner:
         self.matchers: dict[str, GrammarMatcher] = {}
         self._masker: ThreadPoolExecutor | None = None  # fills grammar masks during the forward
         self._previous: SubmittedStep | None = None  # whose sampled tokens fill the next placeholders
+        self.graphs: DecodeGraphs | None = None  # see capture_decode_graphs
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture a CUDA graph of the decode forward for each padded batch size up to `max_num_seqs`
+        (cuda_graphs.py) where the step allows it: on CUDA, with the Triton attention, on one GPU,
+        without MoE layers (their routing reads expert counts on the host)."""
+        if self.device.type != "cuda" or self.attention_backend != "triton":
+            return
+        if self.tp.size > 1 or any(isinstance(m, SparseMoE) for m in self.model.modules()):
+            log.info("CUDA graphs off: they need one GPU and a model without MoE layers")
+            return
+        from superinfer.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+
+        sizes = graph_batch_sizes(max_num_seqs)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.scale, max_model_len, sizes)
+        log.info("CUDA graphs of decode steps of %s rows, captured in %.1f s", sizes, time.perf_counter() - t0)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return device_tensor(values, torch.long, self.device)
@@ -275,13 +305,16 @@ class ModelRunner:
             input_ids[self._tensor(x.placeholder_rows)] = prev_tokens[src]
         sampling = SampleRows.of(plan, step.request_ids)
         masks = self._start_masks(sampling) if self.tp.rank == 0 else None
-        attn = self.attention(x.spans, self.kv_cache, self.scale)
-        hidden = self.model(input_ids, self._tensor(x.positions), attn)
-        if x.prompt_rows:
-            self._score_prompts(hidden, x, step)
-        if not sampling:
-            return
-        logits = self.model.compute_logits(hidden[self._tensor(x.sample_rows)])
+        hidden = self.graphs.run(input_ids, x.positions, x.spans) if self.graphs and x.decode_only else None
+        if hidden is None:
+            attn = self.attention(x.spans, self.kv_cache, self.scale)
+            hidden = self.model(input_ids, self._tensor(x.positions), attn)
+            if x.prompt_rows:
+                self._score_prompts(hidden, x, step)
+            if not sampling:
+                return
+            hidden = hidden[self._tensor(x.sample_rows)]
+        logits = self.model.compute_logits(hidden)
         if logits is None:  # another rank's share: rank 0 samples
             tokens = torch.empty(len(sampling), dtype=torch.long, device=self.device)
             step.device_tokens = self.tp.broadcast_first(tokens)
