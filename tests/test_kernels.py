@@ -282,9 +282,14 @@ def test_decode_graphs_give_the_op_by_op_tokens() -> None:
         runner = core.runner
         graphs = runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.scale, 64, [1, 2, 4])
     out = _greedy(core, prompts, tokens)
-    assert out == _greedy(_engine("triton", enforce_eager=True), prompts, tokens)
+    eager = _engine("triton", enforce_eager=True)
+    assert out == _greedy(eager, prompts, tokens)
     assert [len(t) for t in out] == tokens
     assert 0 < graphs.replays < max(tokens)  # five rows ran op by op
+    replays = graphs.replays
+    one = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]  # a step of one sequence's prompt is no decode
+    assert _greedy(core, one, [4]) == _greedy(eager, one, [4])
+    assert graphs.replays == replays + 3
 
 
 def test_kernels_compile_for_a_gpu_without_one(tmp_path) -> None:

@@ -65,21 +65,23 @@ class DecodeGraphs:
         self.slots = torch.full((top,), -1, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, cdiv(max_model_len, self.block_size), dtype=torch.int32, device=device)
-        rows = torch.arange(top, dtype=torch.int32, device=device)
+        self.rows = torch.arange(top, dtype=torch.int32, device=device)
         self.sizes = sorted(sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.forwards: dict[int, Callable[[], torch.Tensor]] = {}  # without CUDA: the same buffers, op by op
+        # Each size's forward over the buffers: what a graph replays (run op by op without CUDA). The
+        # buffers and these stay referenced as long as the graphs: a graph reads freed memory otherwise.
+        self.forwards: dict[int, Callable[[], torch.Tensor]] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's output
         self.replays = 0
         pool = None
         kv_heads = kv_cache.shape[4]
         for size in reversed(self.sizes):  # the largest first: the others fit in its pool
             split = split_size(size * kv_heads, max_model_len, device)
-            batch = DecodeBatch(rows[:size], self.context_lens[:size], self.block_tables[:size], max_model_len, split)
+            tables = self.block_tables[:size]
+            batch = DecodeBatch(self.rows[:size], self.context_lens[:size], tables, max_model_len, split)
             attn = GraphDecodeAttention(kv_cache, scale, self.slots[:size], batch)
-            forward = partial(model, self.input_ids[:size], self.positions[:size], attn)
+            forward = self.forwards[size] = partial(model, self.input_ids[:size], self.positions[:size], attn)
             if device.type != "cuda":
-                self.forwards[size] = forward
                 continue
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))

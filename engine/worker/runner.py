@@ -113,8 +113,8 @@ class _StepInputs:
     @property
     def decode_only(self) -> bool:
         """Every row is a sequence's one new token, sampled (what the decode graphs run)."""
-        one_token_rows = self.spans[-1].row == len(self.spans) - 1
-        return one_token_rows and len(self.sample_rows) == len(self.spans) and not self.prompt_rows
+        n = len(self.spans)
+        return len(self.input_ids) == n and len(self.sample_rows) == n and not self.prompt_rows
 
 
 @dataclass(frozen=True)
