@@ -47,24 +47,33 @@ def hbm_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def decode(core: EngineCore, batch: int, context: int, steps: int, async_scheduling: bool) -> float:
-    """Seconds per decode step of `batch` requests at `context` tokens (wall time of the whole
-    decode phase over its steps: with async scheduling the host's work hides behind the GPU's)."""
+def decode(core: EngineCore, batch: int, context: int, steps: int, async_scheduling: bool) -> tuple[float, float]:
+    """(seconds per step, mean context) of `steps` decode steps with all `batch` requests decoding
+    (wall time over the steps: with async scheduling the host's work hides behind the GPU's). The
+    prompts of `context` tokens are prefilled first, untimed (those done first decode meanwhile:
+    contexts differ by a few tokens), and the requests are aborted after the timed steps."""
     rng = random.Random(batch)
     vocab = core.model_config.vocab_size
-    for i in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(context)]
-        core.add_request(f"d{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    sampling = SamplingParams(max_tokens=core.max_model_len - context, temperature=0, ignore_eos=True)
+    for rid in ids:
+        core.add_request(rid, [rng.randrange(vocab) for _ in range(context)], sampling)
     core.async_scheduling = False
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()  # prefill, not timed
     core.async_scheduling = async_scheduling
+    mean_context = statistics.mean(r.num_tokens for r in core.scheduler.requests.values()) + steps / 2
     sync(core.device)
     t0 = time.perf_counter()
-    while core.has_work:
+    for _ in range(steps):
         core.step()
     sync(core.device)
-    return (time.perf_counter() - t0) / steps
+    seconds = (time.perf_counter() - t0) / steps
+    for rid in ids:
+        core.abort(rid)
+    while core.has_work:
+        core.step()
+    return seconds, mean_context
 
 
 def prefill(core: EngineCore, tokens: int, seed: int = 0) -> float:
@@ -99,7 +108,7 @@ def main() -> None:
             dummy_weights=args.model != "tiny",
             max_num_seqs=512,
             max_num_batched_tokens=max(args.prefill_tokens, 8192),
-            max_model_len=max(args.context + args.steps, args.prefill_tokens) + 8,
+            max_model_len=max(2 * args.context, args.context + 512, args.prefill_tokens) + 8,
             gpu_memory_utilization=0.92,
             enforce_eager=args.enforce_eager,
         )
@@ -112,16 +121,17 @@ def main() -> None:
     graphs = core.runner.graphs
     decode(core, 2, 64, 2, True)  # warm-up: every kernel compiled before anything is timed
     for b in (int(x) for x in args.batches.split(",")):
-        if core.kv.blocks_for(args.context + args.steps + 4) * b > core.kv.num_blocks:
+        prefill_steps = -(-b * args.context // core.scheduler.config.max_num_batched_tokens)
+        if core.kv.blocks_for(args.context + prefill_steps + args.steps + 4) * b > core.kv.num_blocks:
             print(f"B={b}: does not fit in {core.kv.num_blocks} KV blocks, skipped")
             continue
-        bound = (weight_bytes + b * (args.context + args.steps // 2) * kv_per_token) / bw
         # (async scheduling, CUDA graphs): the default, without graphs, and synchronous
         for mode, use_graphs, suffix in ((True, True, ""), (True, False, "_eager"), (False, True, "_sync")):
             if not use_graphs and graphs is None:
                 continue
             core.runner.graphs = graphs if use_graphs else None
-            seconds = decode(core, b, args.context, args.steps, mode)
+            seconds, mean_context = decode(core, b, args.context, args.steps, mode)
+            bound = (weight_bytes + b * mean_context * kv_per_token) / bw
             figures[f"decode_b{b}_ms{suffix}"] = 1000 * seconds
             figures[f"decode_b{b}_tok_s{suffix}"] = b / seconds
             figures[f"decode_b{b}_share_of_roofline{suffix}"] = bound / seconds
