@@ -2,7 +2,7 @@
 
 python -m bench.run            # CPU: peer, sched, host_time, sampler, policy_cost, slo, ragged, cpu_linear
                                # (tiny model), moe (small MoE models), tp (tiny, -tp 2)
-python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, sampler, slo (llama-3-8b dummy weights)
+python -m bench.run --gpu      # GPU: GPU tests, step, attn, copy, peer, sampler, slo (llama-3-8b dummy weights)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ GPU = [
     ["bench.step", "--device", "cuda"],
     ["bench.attn"],
     ["bench.copy", "--device", "cuda"],
+    ["bench.peer", "--model", "llama-3-8b", "--device", "cuda", "--dtype", "bfloat16", "--prompts", "128"],
     ["bench.sampler", "--device", "cuda", "--shapes", "256x128256,1024x128256"],
     ["bench.slo", "--device", "cuda", "--duration", "30", "--gpu-memory-utilization", "0.3"],
 ]
