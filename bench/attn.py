@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -161,63 +162,73 @@ def launch_config(module: ModuleType, **values: int) -> Iterator[None]:
             setattr(module, name, value)
 
 
+Launch = Callable[[], torch.Tensor]
+
+
+def time_configs(
+    kind: str,
+    module: ModuleType,
+    grid: dict[str, Sequence[int]],
+    prepare: Callable[[], Launch],
+    rate: Callable[[float], str],
+) -> dict[str, float]:
+    """The launch `prepare()` builds (host metadata outside the timing) timed under each
+    combination of `module`'s launch constants in `grid`; one that fails to compile (shared
+    memory, registers) or differs from the default's output is reported, not kept."""
+    expected = prepare()()
+    figures: dict[str, float] = {}
+    for values in itertools.product(*grid.values()):
+        config = dict(zip(grid, values, strict=True))
+        name = f"sweep_{kind}_" + "_".join(f"{k.lower()}{v}" for k, v in config.items())
+        try:
+            with launch_config(module, **config):
+                launch = prepare()
+                torch.testing.assert_close(launch(), expected, atol=2e-2, rtol=2e-2)
+                us = cuda_time_us(launch)
+        except Exception as e:
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        figures[f"{name}_us"] = us
+        print(f"{name}: {us:8.1f} us, {rate(us)}", flush=True)
+    best = min(figures, key=figures.__getitem__, default=None)
+    if best is not None:
+        print(f"fastest {kind}: {best} {figures[best]:.1f} us")
+    return figures
+
+
 def sweep(block_size: int, device: torch.device, hbm: float) -> dict[str, float]:
-    """Each decode and prefill launch configuration timed on one shape; a configuration that fails
-    to compile or differs from the default's output is reported, not kept."""
+    """The decode kernel's launch configurations at B=64 x 2k keys, the prefill kernel's at T=4096."""
     from superinfer.kernels import paged_decode as decode_module
     from superinfer.kernels import paged_prefill as prefill_module
     from superinfer.kernels.paged_decode import DecodeBatch
     from superinfer.kernels.paged_prefill import ExtendBatch
 
-    figures: dict[str, float] = {}
     scale = HEAD_DIM**-0.5
     batch, context = 64, 2048
     spans, cache = decode_step(batch, context, block_size, device)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     read = batch * context * 2 * KV_HEADS * HEAD_DIM * DTYPE.itemsize
     args = ([s.row for s in spans], [s.context for s in spans], [s.block_ids for s in spans], block_size, device)
-    expected = decode_module.paged_decode(q, cache, 1, DecodeBatch.build(*args, KV_HEADS), scale)
-    for keys, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 3)):
-        name = f"sweep_decode_n{keys}_w{warps}_s{stages}"
-        try:
-            with launch_config(decode_module, BLOCK_N=keys, NUM_WARPS=warps, NUM_STAGES=stages):
-                plan = DecodeBatch.build(*args, KV_HEADS)
-                torch.testing.assert_close(
-                    decode_module.paged_decode(q, cache, 1, plan, scale), expected, atol=2e-2, rtol=2e-2
-                )
-                us = cuda_time_us(lambda plan=plan: decode_module.paged_decode(q, cache, 1, plan, scale))
-        except Exception as e:  # a configuration that does not compile (shared memory, registers) or is wrong
-            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        figures[f"{name}_us"] = us
-        print(f"{name}: {us:8.1f} us, {read / (us * 1e-6) / hbm:.0%} of HBM", flush=True)
-
+    figures = time_configs(
+        "decode",
+        decode_module,
+        {"BLOCK_N": (16, 32, 64, 128), "NUM_WARPS": (2, 4, 8), "NUM_STAGES": (1, 3)},
+        lambda: partial(decode_module.paged_decode, q, cache, 1, DecodeBatch.build(*args, KV_HEADS), scale),
+        lambda us: f"{read / (us * 1e-6) / hbm:.0%} of HBM",
+    )
     tokens = 4096
     block_ids, cache = prefill_step(tokens, block_size, device)
     q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     group = HEADS // KV_HEADS
     build = lambda: ExtendBatch.build([0], [tokens], [tokens], [block_ids], block_size, group, device)
-    expected = prefill_module.paged_prefill(q, cache, 1, build(), scale)
     flops = 2 * tokens * tokens * HEADS * HEAD_DIM
-    for rows, keys, warps, stages in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
-        name = f"sweep_prefill_r{rows}_n{keys}_w{warps}_s{stages}"
-        try:
-            with launch_config(prefill_module, ROWS=rows, BLOCK_N=keys, NUM_WARPS=warps, NUM_STAGES=stages):
-                plan = build()
-                torch.testing.assert_close(
-                    prefill_module.paged_prefill(q, cache, 1, plan, scale), expected, atol=2e-2, rtol=2e-2
-                )
-                us = cuda_time_us(lambda plan=plan: prefill_module.paged_prefill(q, cache, 1, plan, scale))
-        except Exception as e:
-            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        figures[f"{name}_us"] = us
-        print(f"{name}: {us:8.1f} us, {flops / us / 1e6:.0f} TFLOP/s", flush=True)
-    for kind in ("decode", "prefill"):
-        timed = {k: v for k, v in figures.items() if k.startswith(f"sweep_{kind}_")}
-        if timed:
-            best = min(timed, key=timed.__getitem__)
-            print(f"fastest {kind}: {best} {timed[best]:.1f} us")
+    figures |= time_configs(
+        "prefill",
+        prefill_module,
+        {"ROWS": (64, 128), "BLOCK_N": (32, 64), "NUM_WARPS": (4, 8), "NUM_STAGES": (2, 3)},
+        lambda: partial(prefill_module.paged_prefill, q, cache, 1, build(), scale),
+        lambda us: f"{flops / us / 1e6:.0f} TFLOP/s",
+    )
     return figures
 
 
