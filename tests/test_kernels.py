@@ -267,17 +267,19 @@ def test_engine_greedy_tokens_match_torch_backend() -> None:
     assert all(len(t) == 6 for t in triton_tokens)
 
 
-def test_decode_graphs_give_the_op_by_op_tokens() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_decode_graphs_give_the_op_by_op_tokens(async_scheduling: bool) -> None:
     """Decode steps through the CUDA graphs' static buffers (replayed on CUDA; without CUDA the same
     buffers run op by op): padded rows, a batch larger than the largest graph (op by op), requests
-    finishing at different steps; the tokens of op-by-op steps."""
+    finishing at different steps, tokens the previous step samples (async scheduling); the tokens
+    of op-by-op steps."""
     from superinfer.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
     assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
     assert graph_batch_sizes(4096)[-1] == 512
     prompts = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000], [7, 8], [300, 301, 302, 303, 304], [9]]
     tokens = [6, 9, 3, 7, 5]
-    core = _engine("triton")
+    core = _engine("triton", async_scheduling=async_scheduling)
     with torch.inference_mode():
         runner = core.runner
         graphs = runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.scale, 64, [1, 2, 4])
