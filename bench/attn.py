@@ -94,7 +94,7 @@ def measure(batch: int, context: int, block_size: int, device: torch.device, hbm
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     k, v = (torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device) for _ in range(2))
     scale = HEAD_DIM**-0.5
-    ours, theirs = TritonPagedAttention(spans, cache, scale), torch_attention(spans, cache, scale)
+    ours, theirs = TritonPagedAttention.for_step(spans, cache, scale), torch_attention(spans, cache, scale)
     assert ours.decodes is not None
     out = torch.empty_like(q)
     kernel_us = cuda_time_us(lambda: paged_decode(q, cache, 1, ours.decodes, scale, out=out))
@@ -107,7 +107,7 @@ def measure(batch: int, context: int, block_size: int, device: torch.device, hbm
         f"triton_decode_{key}_splits": -(-ours.decodes.max_context // ours.decodes.split_keys),
         f"triton_layer_{key}_us": cuda_time_us(lambda: ours(1, q, k, v)),
         f"torch_layer_{key}_us": cuda_time_us(lambda: theirs(1, q, k, v)),
-        f"triton_plan_{key}_us": host_time_us(lambda: TritonPagedAttention(spans, cache, scale)),
+        f"triton_plan_{key}_us": host_time_us(lambda: TritonPagedAttention.for_step(spans, cache, scale)),
         f"torch_plan_{key}_us": host_time_us(lambda: torch_attention(spans, cache, scale)),
     }
     # The same attention, or the times mean nothing.

@@ -211,7 +211,7 @@ def test_triton_step_matches_torch_backend(group: int) -> None:
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(rows, h, 64, generator=gen).to(DEVICE) for h in (2 * group, 2, 2))
     ours, theirs = p.cache.clone(), p.cache.clone()
-    triton_attn = TritonPagedAttention(spans, ours, 0.125)
+    triton_attn = TritonPagedAttention.for_step(spans, ours, 0.125)
     torch_attn = torch_attention(spans, theirs, 0.125)
     for layer in range(LAYERS):
         args = (q * (layer + 1), k + layer, v - layer)

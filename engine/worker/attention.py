@@ -319,4 +319,4 @@ def attention_backend(choice: str, kv_cache: torch.Tensor, q_heads: int) -> tupl
 
     if kv_cache.device.type == "cpu" and not INTERPRETED:
         raise ValueError("the Triton kernels were imported before TRITON_INTERPRET=1 was set: set it at startup")
-    return name, TritonPagedAttention
+    return name, TritonPagedAttention.for_step

@@ -26,9 +26,9 @@ from functools import partial
 import torch
 
 from superinfer.engine.worker.attention import SeqSpan
+from superinfer.engine.worker.triton_attention import TritonPagedAttention
 from superinfer.kernels.common import block_table, cdiv, to_device
-from superinfer.kernels.kv_write import kv_write
-from superinfer.kernels.paged_decode import DecodeBatch, paged_decode, split_size
+from superinfer.kernels.paged_decode import DecodeBatch, split_size
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -38,17 +38,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     the largest of SIZES)."""
     top = min(max_num_seqs, SIZES[-1])
     return sorted({s for s in SIZES if s < top} | {top})
-
-
-class GraphDecodeAttention:
-    """The `Attention` callable inside a graph: decodes over the static buffers' rows."""
-
-    def __init__(self, kv_cache: torch.Tensor, scale: float, slots: torch.Tensor, batch: DecodeBatch) -> None:
-        self.kv_cache, self.scale, self.slots, self.batch = kv_cache, scale, slots, batch
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kv_write(self.kv_cache, layer, k, v, self.slots)
-        return paged_decode(q, self.kv_cache, layer, self.batch, self.scale)
 
 
 class DecodeGraphs:
@@ -79,7 +68,7 @@ class DecodeGraphs:
             split = split_size(size * kv_heads, max_model_len, device)
             tables = self.block_tables[:size]
             batch = DecodeBatch(self.rows[:size], self.context_lens[:size], tables, max_model_len, split)
-            attn = GraphDecodeAttention(kv_cache, scale, self.slots[:size], batch)
+            attn = TritonPagedAttention(kv_cache, scale, self.slots[:size], batch)
             forward = self.forwards[size] = partial(model, self.input_ids[:size], self.positions[:size], attn)
             if device.type != "cuda":
                 continue

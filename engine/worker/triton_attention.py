@@ -31,27 +31,40 @@ def token_slots(spans: Sequence[SeqSpan], block_size: int) -> list[int]:
 class TritonPagedAttention:
     """The `Attention` callable the model runs for one step."""
 
-    def __init__(self, spans: Sequence[SeqSpan], kv_cache: torch.Tensor, scale: float) -> None:
-        self.kv_cache, self.scale = kv_cache, scale
-        self.block_size, kv_heads = kv_cache.shape[3], kv_cache.shape[4]
-        device = kv_cache.device
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        scale: float,
+        slots: torch.Tensor,
+        decodes: DecodeBatch | None,
+        extend_spans: Sequence[SeqSpan] = (),
+    ) -> None:
+        """Over metadata already on the device: the new tokens' slots, the decodes' batch, the
+        other sequences (their batch is built at the first layer). `for_step` builds it all."""
+        self.kv_cache, self.scale, self.slots, self.decodes = kv_cache, scale, slots, decodes
+        self.block_size = kv_cache.shape[3]
+        self.extend_spans = extend_spans
+        self.extends: ExtendBatch | None = None  # built at the first layer, which gives the GQA group
+
+    @classmethod
+    def for_step(cls, spans: Sequence[SeqSpan], kv_cache: torch.Tensor, scale: float) -> TritonPagedAttention:
+        block_size, kv_heads, device = kv_cache.shape[3], kv_cache.shape[4], kv_cache.device
         ordered = sorted(spans, key=lambda s: s.row)
-        self.slots = to_device(torch.tensor(token_slots(ordered, self.block_size), dtype=torch.int32), device)
+        slots = to_device(torch.tensor(token_slots(ordered, block_size), dtype=torch.int32), device)
         decodes = [s for s in spans if s.num_tokens == 1]
-        self.decodes = (
+        batch = (
             DecodeBatch.build(
                 [s.row for s in decodes],
                 [s.context for s in decodes],
                 [s.block_ids for s in decodes],
-                self.block_size,
+                block_size,
                 device,
                 kv_heads,
             )
             if decodes
             else None
         )
-        self.extend_spans = [s for s in spans if s.num_tokens > 1]
-        self.extends: ExtendBatch | None = None  # built at the first layer, which gives the GQA group
+        return cls(kv_cache, scale, slots, batch, [s for s in spans if s.num_tokens > 1])
 
     def _extend_batch(self, group: int) -> ExtendBatch:
         if self.extends is None:
