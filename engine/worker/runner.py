@@ -231,8 +231,14 @@ class ModelRunner:
 
         sizes = graph_batch_sizes(max_num_seqs)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.scale, max_model_len, sizes)
+        try:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, self.kv_cache, self.scale, max_model_len, sizes)
+        except RuntimeError as e:  # out of memory included
+            raise RuntimeError(
+                f"capturing CUDA graphs of decode steps failed ({e}); a lower --gpu-memory-utilization leaves them "
+                "more memory, --max-num-seqs bounds the largest graph, and --enforce-eager runs without them"
+            ) from e
         log.info("CUDA graphs of decode steps of %s rows, captured in %.1f s", sizes, time.perf_counter() - t0)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
