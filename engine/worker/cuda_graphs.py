@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from superinfer.engine.worker.attention import SeqSpan
-from superinfer.engine.worker.triton_attention import TritonPagedAttention
+from superinfer.engine.worker.triton_attention import TritonPagedAttention, token_slots
 from superinfer.kernels.common import block_table, cdiv, to_device
 from superinfer.kernels.paged_decode import DecodeBatch, split_size
 
@@ -93,8 +93,7 @@ class DecodeGraphs:
             return None
         size, bs = self.sizes[i], self.block_size
         contexts = [s.context for s in spans]
-        slots = [s.block_ids[(c - 1) // bs] * bs + (c - 1) % bs for s, c in zip(spans, contexts, strict=True)]
-        meta = to_device(torch.tensor([slots, contexts], dtype=torch.int32), input_ids.device)
+        meta = to_device(torch.tensor([token_slots(spans, bs), contexts], dtype=torch.int32), input_ids.device)
         table = to_device(block_table([s.block_ids for s in spans], contexts, bs), input_ids.device)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(to_device(torch.tensor(positions, dtype=torch.long), input_ids.device))

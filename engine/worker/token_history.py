@@ -41,9 +41,8 @@ class TokenHistories:
             self.output_counts[row].zero_()
             self.in_prompt[row].zero_()
             prompt = device_tensor(prompt_token_ids, torch.long, self.device)
-            self.in_prompt[row].index_fill_(
-                0, prompt, True
-            )  # (an index_put_ of True would copy it from the host: a sync)
+            # index_fill_, not an index_put_ of True: that copies the True from the host (a sync)
+            self.in_prompt[row].index_fill_(0, prompt, True)
         return row
 
     def rows(
