@@ -75,6 +75,13 @@ class EngineConfig(BaseModel):
         description="how KV copies run: full (both directions at once, beside the model step), half (one "
         "direction at a time, beside the model step), serial (before the model step: the ablation baseline)",
     )
+    kv_copy_method: Literal["auto", "runs", "kernel", "batch"] = Field(
+        "auto",
+        description="how a step's KV copies between the tiers are issued: runs (one copy per run of consecutive "
+        "blocks), kernel (one Triton kernel over the pinned CPU tier), batch (one cudaMemcpyBatchAsync; CUDA >= 12.8 "
+        "and cuda-bindings), auto (on CUDA each is timed at startup and the fastest kept per direction; runs "
+        "on the CPU)",
+    )
     write_through: bool = Field(
         True,
         description="copy full KV blocks to the CPU tier as they fill (once half the GPU pool is in use or a "

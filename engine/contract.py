@@ -67,6 +67,7 @@ SERVE_FLAGS = (
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--duplex",
+    "--kv-copy-method",
     "--write-through",
     "--no-write-through",
     "--cpu-linear",

@@ -41,7 +41,7 @@ def test_dummy_preset_serves_on_cuda_in_bf16():
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
-def rotating_cuda_engine(async_scheduling: bool) -> EngineCore:
+def rotating_cuda_engine(async_scheduling: bool, kv_copy_method: str = "auto") -> EngineCore:
     """The rotary policy with a tiny GPU pool: KV moves over the copy streams every few steps."""
     return EngineCore(
         EngineConfig(
@@ -53,20 +53,28 @@ def rotating_cuda_engine(async_scheduling: bool) -> EngineCore:
             num_cpu_blocks=400,
             transfer_budget_blocks=16,
             async_scheduling=async_scheduling,
+            kv_copy_method=kv_copy_method,
         )
     )
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
-def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling):
+@pytest.mark.parametrize(
+    ("async_scheduling", "kv_copy_method"),
+    [(False, "auto"), (True, "auto"), (True, "runs"), (True, "kernel"), (True, "batch")],
+    ids=["sync", "async-scheduling", "async-runs", "async-kernel", "async-batch"],
+)
+def test_rotation_on_cuda_streams_keeps_greedy_tokens(async_scheduling, kv_copy_method):
     """Rotary policy with a tiny GPU pool: KV moves over the two copy streams (pinned CPU tier)
-    while steps run, with and without async scheduling; tokens equal the CPU run without pressure."""
+    while steps run, with and without async scheduling, by each copy method; tokens equal the CPU
+    run without pressure."""
     sampling = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     prompts = random_prompts(10, 2000, seed=9, lo=10, hi=50)
     cpu = EngineCore(EngineConfig(model="tiny", device="cpu", dtype="float32", num_gpu_blocks=256))
     reference = run(cpu, prompts, sampling)
-    core = rotating_cuda_engine(async_scheduling)
+    core = rotating_cuda_engine(async_scheduling, kv_copy_method)
     assert core.runner.duplex.cpu.is_pinned()
+    if kv_copy_method != "auto":
+        assert core.runner.duplex.methods == {"out": kv_copy_method, "in": kv_copy_method}
     assert run(core, prompts, sampling) == reference
     assert core.scheduler.counters.rotations > 0  # how many depends on step times (4 with CUDA graphs on an H100)
     assert core.kv.pool.num_free == core.kv.num_blocks and core.kv.cpu.num_free == core.kv.cpu.num_blocks
@@ -108,11 +116,50 @@ def test_async_scheduling_on_cuda_matches_sync():
         assert [v for _, v in outs[True][rid][2]] == pytest.approx([v for _, v in logprobs], abs=1e-4)
 
 
+@pytest.mark.parametrize("method", ["kernel", "batch"])
+def test_copy_methods_cross_the_pinned_tiers_registrations_exactly(monkeypatch, method: str):
+    """The kernel reads and writes the pinned tier in place (unified addressing), the batch call
+    moves runs: both exact across slab boundaries, in both directions."""
+    from superinfer.engine.worker import host_memory
+    from superinfer.engine.worker.copy_methods import COPIERS
+
+    block = 1 << 20
+    monkeypatch.setattr(host_memory, "SLAB_BYTES", 3 * block)
+    tier = host_memory.host_tensor(9 * block, pin=True, align=block).view(9, block)
+    src = torch.randint(0, 256, (9, block), dtype=torch.uint8, device="cuda")
+    pairs = [(0, 8), (1, 2), (2, 3), (3, 4), (7, 0), (8, 5)]  # runs across slabs 0|1 and 1|2
+    copier, side = COPIERS[method], torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        copier(src, tier, pairs, 0, 3)
+        back = torch.zeros_like(src)
+        copier(tier, back, [(d, s) for s, d in pairs], 3, 0)
+    side.synchronize()
+    for s, d in pairs:
+        assert torch.equal(tier[d], src[s].cpu()) and torch.equal(back[s], src[s])
+    assert not back[[4, 5, 6]].any()
+
+
+def test_copy_probe_times_each_method_and_keeps_the_fastest():
+    from superinfer.engine.worker import host_memory
+    from superinfer.engine.worker.copy_methods import METHODS, probe
+
+    shape = (2, 2, 16, 2, 64)  # layers, K|V, block tokens, KV heads, head dim
+    gpu = torch.zeros(100, *shape, dtype=torch.bfloat16, device="cuda")
+    block = gpu[0].nbytes
+    cpu = host_memory.host_tensor(200 * block, pin=True, align=block).view(torch.bfloat16).view(200, *shape)
+    chosen, report = probe(gpu, cpu, host_memory.slab_bytes(block) // block)
+    for direction in ("out", "in"):
+        assert set(report[direction]) == set(METHODS)
+        timed = {m: t for m, t in report[direction].items() if isinstance(t, float)}
+        assert "runs" in timed and chosen[direction] == min(timed, key=timed.__getitem__)
+    assert not gpu.any() and not cpu.any()  # the probe's blocks are zeroed again
+
+
 def test_pinned_cpu_tier_takes_exactly_its_size(monkeypatch):
     """The CPU tier is not torch's pinned allocator (which rounds up to a power of two): it pins
     exactly its blocks, registered in slabs, and runs of blocks across slab boundaries copy exactly."""
     from superinfer.engine.worker import host_memory
-    from superinfer.engine.worker.duplex import copy_blocks
+    from superinfer.engine.worker.copy_methods import copy_runs
 
     block = 2 << 20
     monkeypatch.setattr(host_memory, "SLAB_BYTES", 3 * block)  # three blocks per slab
@@ -126,9 +173,9 @@ def test_pinned_cpu_tier_takes_exactly_its_size(monkeypatch):
     assert boundary == 3
     tier, src = cpu.view(9, block), torch.randint(0, 256, (9, block), dtype=torch.uint8, device="cuda")
     pairs = [(i, i) for i in range(9)]
-    assert copy_blocks(src, tier, pairs, dst_boundary=boundary) == 3
+    assert copy_runs(src, tier, pairs, dst_boundary=boundary) == 3
     back = torch.empty_like(src)
-    assert copy_blocks(tier, back, pairs, src_boundary=boundary) == 3
+    assert copy_runs(tier, back, pairs, src_boundary=boundary) == 3
     torch.cuda.synchronize()
     assert torch.equal(back, src)
     del cpu  # unregisters every slab; a second tensor over fresh memory pins again

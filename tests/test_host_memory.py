@@ -13,7 +13,7 @@ import torch
 
 from superinfer.engine.worker import host_memory
 from superinfer.engine.worker.attention import allocate_kv_cache
-from superinfer.engine.worker.duplex import coalesce
+from superinfer.engine.worker.copy_methods import coalesce
 from superinfer.engine.worker.host_memory import available_host_bytes, default_tier_bytes, host_tensor, slab_bytes
 from tests.test_engine import engine
 

@@ -35,9 +35,12 @@ if not GPU and _version(triton.__version__) < (3, 7) and _version(np.__version__
     pytest.skip("Triton < 3.7's interpreter fails with numpy >= 2.4: upgrade triton", allow_module_level=True)
 
 from superinfer.engine.config import EngineConfig
+from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.attention import SeqSpan, attention_backend, torch_attention
+from superinfer.engine.worker.copy_methods import copy_kernel
+from superinfer.engine.worker.duplex import DuplexKV
 from superinfer.engine.worker.triton_attention import TritonPagedAttention, token_slots
 from superinfer.kernels.block_copy import copy_blocks_reference, gather_blocks, scatter_blocks
 from superinfer.kernels.common import cdiv
@@ -187,6 +190,29 @@ def test_block_gather_and_scatter_are_exact(dtype: torch.dtype) -> None:
     scatter_blocks(back, target, ids)
     copy_blocks_reference(back, want, dst_ids=ids.long())
     assert torch.equal(target, want)
+
+
+def test_the_kernel_copy_method_moves_block_pairs_within_each_registration() -> None:
+    """DuplexKV's `kernel` method: one launch per pair of registrations (3 blocks each on the
+    tier's side), every pair exact, nothing else written; the other direction runs as runs."""
+    gpu = torch.randn(10, LAYERS, 2, 16, 2, 72, device=DEVICE)
+    cpu = torch.zeros(9, *gpu.shape[1:], pin_memory=GPU)
+    out = [(0, 8), (1, 2), (2, 3), (3, 4), (7, 0), (9, 5)]
+    back = [(8, 9), (2, 1), (0, 6)]
+    assert copy_kernel(gpu, cpu, out, 0, 3) == 3  # tier slabs 2, 0, 1
+    duplex = DuplexKV(gpu, cpu, methods={"out": "kernel"})
+    assert duplex.methods == {"out": "kernel", "in": "runs"}
+    duplex.boundary = 3  # as for a pinned tier of three-block registrations
+    want_cpu, want_gpu = cpu.clone(), gpu.clone()
+    for s, d in out:
+        want_cpu[d] = gpu[s].cpu()
+    for s, d in back:
+        want_gpu[d] = want_cpu[s].to(DEVICE)
+    duplex.finish(duplex.start(StepPlan(step_id=1, seqs=[], swap_out=out)))
+    duplex.finish(duplex.start(StepPlan(step_id=2, seqs=[], swap_in=back)))
+    if GPU:
+        torch.cuda.synchronize()
+    assert torch.equal(cpu, want_cpu) and torch.equal(gpu, want_gpu)
 
 
 def _mixed_step(block_size: int, group: int, seed: int) -> tuple[list[SeqSpan], Paged]:

@@ -1,7 +1,8 @@
 """DuplexKV: one step's block copies between the GPU and CPU tiers, overlapped with the model.
 
 Block-first layout makes one block (all layers) one contiguous region, so a copy is a slice of
-the cache tensor. Runs of consecutive blocks on both sides are coalesced into one copy each.
+the cache tensor. How a direction's copies are issued (runs of consecutive blocks, one Triton
+kernel, or one batched memcpy call) is its copy method (`copy_methods.py`), measured at startup.
 
 Each step has up to three ops (`streams.py`): copy-in (CPU -> GPU), copy-out (GPU -> CPU) and
 compute (the model step). They wait only for what they depend on:
@@ -27,6 +28,7 @@ from typing import Literal
 import torch
 
 from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.worker.copy_methods import COPIERS, CopyMethod
 from superinfer.engine.worker.host_memory import slab_bytes
 from superinfer.engine.worker.streams import Access, HostStreams, Lane, Span, Streams
 
@@ -38,33 +40,12 @@ COPY_LANES: dict[str, tuple[Lane, Lane]] = {  # mode -> (copy-out lane, copy-in 
 }
 
 
-def coalesce(pairs: list[tuple[int, int]], src_boundary: int = 0, dst_boundary: int = 0) -> list[tuple[int, int, int]]:
-    """(src, dst) block pairs -> (src_start, dst_start, count) runs, consecutive on both sides;
-    a block whose src (dst) id is a multiple of `src_boundary` (`dst_boundary`) starts a run."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs):
-        if (
-            runs
-            and runs[-1][0] + runs[-1][2] == src
-            and runs[-1][1] + runs[-1][2] == dst
-            and not (src_boundary and src % src_boundary == 0)
-            and not (dst_boundary and dst % dst_boundary == 0)
-        ):
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((src, dst, 1))
-    return runs
-
-
-def copy_blocks(
-    src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]], src_boundary: int = 0, dst_boundary: int = 0
-) -> int:
-    """Copy whole blocks src[s] -> dst[d]; returns the number of copy calls issued. A boundary is
-    a pinned tier's registration size in blocks: no copy may span two registrations."""
-    runs = coalesce(pairs, src_boundary, dst_boundary)
-    for s, d, n in runs:
-        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
-    return len(runs)
+def tier_boundary(gpu_cache: torch.Tensor, cpu_cache: torch.Tensor | None) -> int:
+    """CPU-tier blocks per registration of the pinned tier (no copy may span two); 0: unpinned."""
+    if cpu_cache is None or not cpu_cache.is_pinned():
+        return 0
+    block_bytes = gpu_cache[0].nbytes
+    return slab_bytes(block_bytes) // block_bytes
 
 
 def copy_access(pairs: list[tuple[int, int]], src_tier: str, dst_tier: str) -> Access:
@@ -129,17 +110,19 @@ class DuplexKV:
         cpu_cache: torch.Tensor | None,
         streams: Streams | None = None,
         mode: DuplexMode = "full",
+        methods: dict[str, CopyMethod] | None = None,
     ) -> None:
+        """`methods`: the copy method per direction, "out" (GPU -> CPU) and "in"; runs by default."""
         if mode not in COPY_LANES:
             raise ValueError(f"unknown duplex mode {mode!r}; choose one of {', '.join(COPY_LANES)}")
         self.gpu = gpu_cache
         self.cpu = cpu_cache
-        block_bytes = gpu_cache[0].nbytes
-        pinned = cpu_cache is not None and cpu_cache.is_pinned()
-        self.boundary = slab_bytes(block_bytes) // block_bytes if pinned else 0  # CPU-tier blocks per registration
+        self.boundary = tier_boundary(gpu_cache, cpu_cache)
         self.streams = streams or HostStreams()
         self.mode = mode
         self.out_lane, self.in_lane = COPY_LANES[mode]
+        self.methods: dict[str, CopyMethod] = {"out": "runs", "in": "runs", **(methods or {})}
+        self._copy_out, self._copy_in = COPIERS[self.methods["out"]], COPIERS[self.methods["in"]]
         self._computes: dict[int, Span] = {}  # unfinished steps' compute
         self._copy_outs: dict[int, Span] = {}  # unfinished steps' copy-out
         self._previous: StepCopies | None = None  # the step submitted before the newest
@@ -154,7 +137,7 @@ class DuplexKV:
             after = self._compute_of(plan.swap_in_after) + self._copy_out_of(plan.swap_in_after_copy)
             step.copy_in = self.streams.run(
                 self.in_lane,
-                lambda: copy_blocks(self.cpu, self.gpu, plan.swap_in, src_boundary=self.boundary),
+                lambda: self._copy_in(self.cpu, self.gpu, plan.swap_in, self.boundary, 0),
                 after,
                 lambda: copy_access(plan.swap_in, "cpu", "gpu"),
                 f"copy_in {plan.step_id}",
@@ -162,7 +145,7 @@ class DuplexKV:
         if plan.swap_out:
             step.copy_out = self._copy_outs[plan.step_id] = self.streams.run(
                 self.out_lane,
-                lambda: copy_blocks(self.gpu, self.cpu, plan.swap_out, dst_boundary=self.boundary),
+                lambda: self._copy_out(self.gpu, self.cpu, plan.swap_out, 0, self.boundary),
                 self._compute_of(plan.swap_out_after),
                 lambda: copy_access(plan.swap_out, "gpu", "cpu"),
                 f"copy_out {plan.step_id}",

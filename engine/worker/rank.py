@@ -171,6 +171,7 @@ def make_runner(
         streams=streams,
         grammars=grammars,
         attention=config.attention_backend,
+        copy_method=config.kv_copy_method,
     )
     log.info("rank %d: attention backend %s", model.tp.rank, runner.attention_backend)
     memory = RankMemory(

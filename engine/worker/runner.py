@@ -27,9 +27,10 @@ from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.model.moe import SparseMoE
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
+from superinfer.engine.worker import copy_methods
 from superinfer.engine.worker.attention import SeqSpan, attention_backend
 from superinfer.engine.worker.device_tensor import device_tensor
-from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies
+from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies, tier_boundary
 from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
 from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
 from superinfer.engine.worker.token_history import TokenHistories
@@ -195,15 +196,21 @@ class ModelRunner:
         streams: Streams | None = None,
         grammars: GrammarCompiler | None = None,
         attention: str = "auto",
+        copy_method: str = "auto",
     ) -> None:
-        """`attention`: the attention backend, auto, torch, cpu or triton (see attention.attention_backend)."""
+        """`attention`: the attention backend, auto, torch, cpu or triton (see attention.attention_backend);
+        `copy_method`: how KV copies between tiers are issued, auto or a copy_methods.METHODS entry."""
         self.model = model
         self.tp = model.tp
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         if streams is None:
             streams = CudaStreams(self.device) if self.device.type == "cuda" else HostStreams()
-        self.duplex = DuplexKV(kv_cache, cpu_cache, streams, duplex)
+        boundary = tier_boundary(kv_cache, cpu_cache)
+        methods, probed = copy_methods.resolve(copy_method, kv_cache, cpu_cache, boundary)
+        if probed:
+            log.info("KV copy methods, measured: %s", copy_methods.describe(methods, probed))
+        self.duplex = DuplexKV(kv_cache, cpu_cache, streams, duplex, methods)
         self.block_size = block_size
         self.scale = scale
         q_heads = model.model.layers[0].self_attn.num_heads  # this rank's
