@@ -23,7 +23,11 @@ COPY engine engine
 COPY kernels kernels
 COPY operator operator
 COPY bench bench
-RUN pip install ".[operator]" \
+# cuda-bindings gives the engine the `batch` KV copy method (cudaMemcpyBatchAsync, CUDA >= 12.8);
+# match its major version to the torch wheels' CUDA. The startup probe leaves the method out
+# wherever it cannot run (a CPU image, an older driver).
+ARG CUDA_BINDINGS_SPEC="cuda-bindings>=12.8,<13"
+RUN pip install ".[operator]" "${CUDA_BINDINGS_SPEC}" \
  && python -c "import superinfer.engine.cli, superinfer.operator.main"
 
 FROM python:${PYTHON_VERSION}-slim

@@ -215,6 +215,8 @@ class EngineCore:
                 "num_cpu_blocks": str(num_cpu_blocks),
                 "architecture": mc.architecture,
                 "tensor_parallel_size": str(tp.size),
+                "kv_copy_out": self.runner.duplex.methods["out"],  # as measured at startup (rank 0's)
+                "kv_copy_in": self.runner.duplex.methods["in"],
             },
         )
         self._live: dict[str, _Live] = {}

@@ -58,3 +58,15 @@ def test_the_probe_report_reads_as_one_log_line():
         "GPU->CPU kernel (runs 200 us, kernel 50 us, batch unavailable: ImportError: no cuda.bindings); "
         "CPU->GPU runs (runs 100 us, kernel 300 us)"
     )
+
+
+def test_the_engine_names_its_copy_methods_in_its_info_metric():
+    from prometheus_client import generate_latest
+
+    from superinfer.engine.config import EngineConfig
+    from superinfer.engine.engine import EngineCore
+
+    core = EngineCore(EngineConfig(model="tiny", device="cpu", policy="rotary", num_gpu_blocks=64, num_cpu_blocks=64))
+    assert core.runner.duplex.methods == {"out": "runs", "in": "runs"}
+    text = generate_latest(core.metrics.registry).decode()
+    assert 'kv_copy_in="runs"' in text and 'kv_copy_out="runs"' in text

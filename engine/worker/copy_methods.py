@@ -69,7 +69,7 @@ def copy_kernel(
     (a launch addresses one registration per side; a tier up to host_memory.SLAB_BYTES is one)."""
     from superinfer.kernels.block_copy import copy_blocks
 
-    device = src.device if src.device.type != "cpu" else dst.device
+    device = src.device if src.is_cuda else dst.device
     groups: dict[tuple[int, int], Pairs] = {}
     for s, d in pairs:
         key = (s // src_boundary if src_boundary else 0, d // dst_boundary if dst_boundary else 0)
@@ -150,6 +150,8 @@ def probe(
     method per direction ("out": GPU -> CPU, "in": CPU -> GPU) and, per direction, each method's
     seconds or why it was left out."""
     n = min(PROBE_BLOCKS, len(gpu) // 2, len(cpu) // 2)
+    if n == 0:
+        return {"out": "runs", "in": "runs"}, {}
     rng = random.Random(0)
     gpu_ids = rng.sample(range(len(gpu)), 2 * n)  # scattered: runs of one block, as after many rotations
     cpu_ids = rng.sample(range(len(cpu)), 2 * n)
@@ -176,8 +178,9 @@ def probe(
                 timed = {m: s for m, s in report[direction].items() if isinstance(s, float)}
                 chosen[direction] = min(timed, key=timed.__getitem__) if timed else "runs"
     finally:
-        for cache in (gpu, cpu):
-            cache[gpu_ids if cache is gpu else cpu_ids] = 0
+        torch.cuda.synchronize(gpu.device)  # nothing of the probe's still in flight
+        gpu[gpu_ids] = 0
+        cpu[cpu_ids] = 0
         torch.cuda.synchronize(gpu.device)
     return chosen, report
 
