@@ -17,6 +17,7 @@ spans two, so runs split at a slab boundary and the kernel launches once per sla
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 from collections.abc import Callable
@@ -26,12 +27,15 @@ import torch
 
 from superinfer.engine.worker.device_tensor import to_device
 
+log = logging.getLogger("superinfer.copy_methods")
+
 CopyMethod = Literal["runs", "kernel", "batch"]
 METHODS: tuple[CopyMethod, ...] = ("runs", "kernel", "batch")
 Pairs = list[tuple[int, int]]
 Copier = Callable[[torch.Tensor, torch.Tensor, Pairs, int, int], int]
 
 PROBE_BLOCKS = 32  # blocks per probe copy: a rotation's worth, scattered on both sides
+PROBE_BYTES = 64 << 20  # at most, each way (the probe's random sources take as much device memory)
 PROBE_REPEATS = 5
 
 
@@ -149,7 +153,7 @@ def probe(
     caches (before they hold anything: the blocks used are zeroed again after). Returns the fastest
     method per direction ("out": GPU -> CPU, "in": CPU -> GPU) and, per direction, each method's
     seconds or why it was left out."""
-    n = min(PROBE_BLOCKS, len(gpu) // 2, len(cpu) // 2)
+    n = min(PROBE_BLOCKS, max(1, PROBE_BYTES // gpu[0].nbytes), len(gpu) // 2, len(cpu) // 2)
     if n == 0:
         return {"out": "runs", "in": "runs"}, {}
     rng = random.Random(0)
@@ -163,8 +167,8 @@ def probe(
     try:
         with torch.cuda.stream(side):
             for cache, ids in ((gpu, gpu_ids[:n]), (cpu, cpu_ids[n:])):  # the sources: random bytes
-                noise = torch.randint(0, 256, (len(ids), cache[0].nbytes), dtype=torch.uint8)
-                cache[ids] = noise.to(cache.device).view(cache.dtype).view(len(ids), *cache.shape[1:])
+                noise = torch.randint(0, 256, (len(ids), cache[0].nbytes), dtype=torch.uint8, device=cache.device)
+                cache[ids] = noise.view(cache.dtype).view(len(ids), *cache.shape[1:])
             for direction, src, dst, pairs, boundaries in (
                 ("out", gpu, cpu, out_pairs, (0, boundary)),
                 ("in", cpu, gpu, in_pairs, (boundary, 0)),
@@ -193,7 +197,11 @@ def resolve(
     if method == "auto":
         if gpu.device.type != "cuda" or cpu is None:
             return {"out": "runs", "in": "runs"}, {}
-        return probe(gpu, cpu, boundary)
+        try:
+            return probe(gpu, cpu, boundary)
+        except Exception as exc:  # a measurement at startup must not stop the engine
+            log.warning("the KV copy probe failed (%s: %s); copies go as runs", type(exc).__name__, exc)
+            return {"out": "runs", "in": "runs"}, {}
     if method not in METHODS:
         raise ValueError(f"unknown KV copy method {method!r}; choose auto or one of {', '.join(METHODS)}")
     if method != "runs" and gpu.device.type != "cuda":
