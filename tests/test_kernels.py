@@ -199,15 +199,20 @@ def test_the_kernel_copy_method_moves_block_pairs_within_each_registration() -> 
     cpu = torch.zeros(9, *gpu.shape[1:], pin_memory=GPU)
     out = [(0, 8), (1, 2), (2, 3), (3, 4), (7, 0), (9, 5)]
     back = [(8, 9), (2, 1), (0, 6)]
+    want_cpu = cpu.clone()
+    for s, d in out:
+        want_cpu[d] = gpu[s].cpu()
+    want_gpu = gpu.clone()
+    for s, d in back:
+        want_gpu[d] = want_cpu[s].to(DEVICE)
     assert copy_kernel(gpu, cpu, out, 0, 3) == 3  # tier slabs 2, 0, 1
+    if GPU:
+        torch.cuda.synchronize()
+    assert torch.equal(cpu, want_cpu)
+    cpu.zero_()
     duplex = DuplexKV(gpu, cpu, methods={"out": "kernel"})
     assert duplex.methods == {"out": "kernel", "in": "runs"}
     duplex.boundary = 3  # as for a pinned tier of three-block registrations
-    want_cpu, want_gpu = cpu.clone(), gpu.clone()
-    for s, d in out:
-        want_cpu[d] = gpu[s].cpu()
-    for s, d in back:
-        want_gpu[d] = want_cpu[s].to(DEVICE)
     duplex.finish(duplex.start(StepPlan(step_id=1, seqs=[], swap_out=out)))
     duplex.finish(duplex.start(StepPlan(step_id=2, seqs=[], swap_in=back)))
     if GPU:
