@@ -212,7 +212,9 @@ def sweep(block_size: int, device: torch.device, hbm: float) -> dict[str, float]
     figures = time_configs(
         "decode",
         decode_module,
-        {"BLOCK_N": (16, 32, 64, 128), "NUM_WARPS": (2, 4, 8), "NUM_STAGES": (1, 3)},
+        # Around the first H100 sweep's best (128 keys x 8 warps x 3 stages; tiles under 64 keys and
+        # 2 warps were all slower): longer tiles and every pipeline depth.
+        {"BLOCK_N": (64, 128, 256), "NUM_WARPS": (4, 8), "NUM_STAGES": (1, 2, 3, 4)},
         lambda: partial(decode_module.paged_decode, q, cache, 1, DecodeBatch.build(*args, KV_HEADS), scale),
         lambda us: f"{read / (us * 1e-6) / hbm:.0%} of HBM",
     )
