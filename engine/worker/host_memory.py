@@ -27,7 +27,9 @@ import torch
 # fails with cudaErrorInvalidValue, seen on an H100 with CUDA 13): DuplexKV splits its runs of
 # blocks at slab boundaries (`slab_bytes`).
 SLAB_BYTES = 32 << 30
-_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
+# cudaHostRegisterPortable (pinned for every CUDA context, not only the current one) and
+# cudaHostRegisterMapped (kernels may read and write it in place: the `kernel` KV copy method).
+_REGISTER_FLAGS = 1 | 2
 
 
 def host_tensor(nbytes: int, pin: bool = False, align: int = 1, populate: bool = False) -> torch.Tensor:
@@ -73,7 +75,7 @@ def _register(base: int, length: int, align: int, slabs: list[int]) -> None:
     slab = slab_bytes(align)
     cudart = torch.cuda.cudart()
     for start in range(0, length, slab):
-        code = int(cudart.cudaHostRegister(base + start, min(slab, length - start), _REGISTER_PORTABLE))
+        code = int(cudart.cudaHostRegister(base + start, min(slab, length - start), _REGISTER_FLAGS))
         if code != 0:
             _unregister(slabs)
             raise RuntimeError(
