@@ -6,9 +6,14 @@ rotary policy ranks, rotates and swaps every step).
 
     python -m bench.sched [--live 256,1024,4096] [--steps 50] [--tag T]
     python -m bench.sched --vllm-python .venv-vllm/bin/python   # vLLM's v1 scheduler beside ours
+    python -m bench.sched --against /path/to/old/checkout       # old and new, interleaved
 
 With --vllm-python, bench/vllm_sched.py runs the same situations through vLLM's own scheduler
-in that venv (`make vllm-env`), in the same run, and the record holds both.
+in that venv (`make vllm-env`), in the same run, and the record holds both. With --against, each
+situation runs `--rounds` times in each checkout (this file, under that checkout's `.venv`, so it
+imports that checkout's scheduler), alternating, and the record holds both and their ratio: these
+machines' speed varies by 2-3x from day to day, so only figures of one run compare. Every record
+also holds `python_reference_us`, a fixed pure-Python loop timed in the same run, for scale.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import random
 import statistics
 import subprocess
 import time
+import timeit
 from pathlib import Path
 
 from superinfer.bench.record import write_result
@@ -61,6 +67,67 @@ def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[int]]:
     return seconds, scheduled
 
 
+def python_reference_us() -> float:
+    """Microseconds for three attribute reads of 1024 objects (best of 20): this machine's speed
+    at the kind of work the scheduler does per request."""
+    reqs = [Request(f"r{i}", [1], SamplingParams(), arrival_time=0.0) for i in range(1024)]
+
+    def reads() -> None:
+        for r in reqs:
+            r.num_computed_tokens, r.num_pending_tokens, r.token_ids  # noqa: B018
+
+    return 1e6 * min(timeit.repeat(reads, number=1, repeat=20))
+
+
+def situations(live: str) -> list[tuple[str, bool, int]]:
+    return [(p, c, int(n)) for c in (False, True) for p in ("fcfs", "rotary") for n in live.split(",")]
+
+
+def key(policy: str, contention: bool, live: int) -> str:
+    return f"{policy}-{'contention' if contention else 'fits'}-{live}"
+
+
+def summary(times: list[float], scheduled: list[int]) -> dict[str, float]:
+    return {
+        "median_ms": 1000 * statistics.median(times),
+        "p90_ms": 1000 * sorted(times)[int(0.9 * len(times))],
+        "scheduled_reqs_median": statistics.median(scheduled),
+    }
+
+
+def in_checkout(checkout: Path, policy: str, contention: bool, live: int, steps: int) -> tuple[list[float], list[int]]:
+    """This file's `--child` run under another checkout's venv (-P: this folder, which holds a
+    copy.py, must not shadow the standard library)."""
+    python = checkout / ".venv" / "bin" / "python"
+    cmd = [str(python), "-P", __file__, "--child", policy, str(int(contention)), str(live), "--steps", str(steps)]
+    out = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)} in {checkout} failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["seconds"], got["scheduled"]
+
+
+def against(old: Path, live: str, steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    here = Path(__file__).resolve().parent.parent
+    figures: dict[str, dict[str, float]] = {}
+    for policy, contention, n in situations(live):
+        runs: dict[str, tuple[list[float], list[int]]] = {"old": ([], []), "new": ([], [])}
+        for _ in range(rounds):
+            for label, checkout in (("old", old), ("new", here)):
+                times, scheduled = in_checkout(checkout, policy, contention, n, steps)
+                runs[label][0].extend(times)
+                runs[label][1].extend(scheduled)
+        k = key(policy, contention, n)
+        figures[k], figures[f"{k}-old"] = summary(*runs["new"]), summary(*runs["old"])
+        figures[k]["speedup"] = figures[f"{k}-old"]["median_ms"] / figures[k]["median_ms"]
+        print(
+            f"{k:28s} old {figures[f'{k}-old']['median_ms']:7.2f} ms  new {figures[k]['median_ms']:7.2f} ms"
+            f"  speedup {figures[k]['speedup']:.2f}x",
+            flush=True,
+        )
+    return figures
+
+
 def vllm_figures(python: str, live: str, steps: int) -> dict[str, dict[str, float]]:
     """vLLM's scheduler in the same situations (bench/vllm_sched.py, run by a vLLM venv's python)."""
     script = Path(__file__).with_name("vllm_sched.py")
@@ -79,27 +146,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--tag", default="", help="names a variant run's results file (sched-TAG-cpu-DATE.json)")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM: time its scheduler too")
+    parser.add_argument("--against", type=Path, help="an older checkout with its own .venv: time both, interleaved")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: runs per situation and checkout")
+    parser.add_argument("--child", nargs=3, metavar=("POLICY", "CONTENTION", "LIVE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        policy, contention, live = args.child
+        times, scheduled = time_steps(build(policy, int(live), contention == "1"), args.steps)
+        print(json.dumps({"seconds": times, "scheduled": scheduled}))
+        return
     figures: dict[str, dict[str, float]] = {}
-    for contention in (False, True):
-        for policy in ("fcfs", "rotary"):
-            for live in (int(n) for n in args.live.split(",")):
-                times, scheduled = time_steps(build(policy, live, contention), args.steps)
-                key = f"{policy}-{'contention' if contention else 'fits'}-{live}"
-                f = figures[key] = {
-                    "median_ms": 1000 * statistics.median(times),
-                    "p90_ms": 1000 * sorted(times)[int(0.9 * len(times))],
-                    "scheduled_reqs_median": statistics.median(scheduled),
-                }
-                print(
-                    f"{key:28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
-                    f"   ({f['scheduled_reqs_median']:.0f} reqs/step)",
-                    flush=True,
-                )
+    if args.against:
+        figures = against(args.against.resolve(), args.live, args.steps, args.rounds)
+    else:
+        for policy, contention, n in situations(args.live):
+            f = figures[key(policy, contention, n)] = summary(*time_steps(build(policy, n, contention), args.steps))
+            print(
+                f"{key(policy, contention, n):28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
+                f"   ({f['scheduled_reqs_median']:.0f} reqs/step)",
+                flush=True,
+            )
     if args.vllm_python:
         figures |= vllm_figures(args.vllm_python, args.live, args.steps)
+    reference = python_reference_us()
+    print(f"python reference (3 attribute reads x 1024): {reference:.1f} us")
     goal = {"median_ms_at_1024": "<= 0.5 (the reference spends 7.6 ms)"}
-    print(f"wrote {write_result('sched', 'cpu', figures, goal, tag=args.tag)}")
+    extra = {"python_reference_us": reference, "against": str(args.against) if args.against else None}
+    print(f"wrote {write_result('sched', 'cpu', figures, goal, extra, tag=args.tag)}")
 
 
 if __name__ == "__main__":
