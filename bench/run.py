@@ -2,7 +2,8 @@
 
 python -m bench.run            # CPU: peer, sched, host_time, sampler, policy_cost, slo, ragged, cpu_linear
                                # (tiny model), moe (small MoE models), tp (tiny, -tp 2)
-python -m bench.run --gpu      # GPU: step, attn, GPU tests, copy, peer, sampler, slo (llama-3-8b dummy weights)
+python -m bench.run --gpu      # GPU: step, attn, GPU tests, copy, peer, sampler, slo (llama-3-8b dummy
+                               # weights), then the kernels' launch sweep
                                # [--stage-timeout-s 120] for a short lease
 """
 
@@ -35,6 +36,7 @@ GPU = [
     ["bench.peer", "--model", "llama-3-8b", "--device", "cuda", "--dtype", "bfloat16", "--prompts", "128"],
     ["bench.sampler", "--device", "cuda", "--shapes", "256x128256,1024x128256"],
     ["bench.slo", "--device", "cuda", "--duration", "30", "--gpu-memory-utilization", "0.3"],
+    ["bench.attn", "--batches", "64", "--contexts", "2048", "--prefill", "4096", "--sweep"],
 ]
 
 
