@@ -80,7 +80,7 @@ class EngineConfig(BaseModel):
         description="how a step's KV copies between the tiers are issued: runs (one copy per run of consecutive "
         "blocks), kernel (one Triton kernel over the pinned CPU tier), batch (one cudaMemcpyBatchAsync; CUDA >= 12.8 "
         "and cuda-bindings), auto (on CUDA each is timed at startup and the fastest kept per direction; runs "
-        "on the CPU)",
+        "on the CPU). A named method is checked at startup and refused where it cannot run",
     )
     write_through: bool = Field(
         True,

@@ -193,7 +193,8 @@ def resolve(
     method: str, gpu: torch.Tensor, cpu: torch.Tensor | None, boundary: int
 ) -> tuple[dict[str, CopyMethod], dict[str, dict[str, float | str]]]:
     """The copy method per direction for `--kv-copy-method`: `auto` probes on CUDA (runs
-    elsewhere, and where there is no CPU tier); a named method applies to both directions."""
+    elsewhere, and where there is no CPU tier); a named method applies to both directions, once
+    the probe has seen it copy exactly here."""
     if method == "auto":
         if gpu.device.type != "cuda" or cpu is None:
             return {"out": "runs", "in": "runs"}, {}
@@ -206,7 +207,13 @@ def resolve(
         raise ValueError(f"unknown KV copy method {method!r}; choose auto or one of {', '.join(METHODS)}")
     if method != "runs" and gpu.device.type != "cuda":
         raise ValueError(f"--kv-copy-method {method} needs a CUDA device; on the CPU the copies are runs")
-    return {"out": method, "in": method}, {}
+    if method == "runs" or cpu is None:
+        return {"out": method, "in": method}, {}
+    _, report = probe(gpu, cpu, boundary, (method,))  # fail at startup, not in the first rotation
+    for seconds in report.values():
+        if not isinstance(seconds[method], float):
+            raise ValueError(f"--kv-copy-method {method} cannot run here: {seconds[method]}")
+    return {"out": method, "in": method}, report
 
 
 def describe(chosen: dict[str, CopyMethod], report: dict[str, dict[str, float | str]]) -> str:
