@@ -227,7 +227,7 @@ def sweep(block_size: int, device: torch.device, hbm: float) -> dict[str, float]
     figures |= time_configs(
         "prefill",
         prefill_module,
-        {"ROWS": (64, 128), "BLOCK_N": (32, 64), "NUM_WARPS": (4, 8), "NUM_STAGES": (2, 3)},
+        {"ROWS": (64, 128), "BLOCK_N": (32, 64, 128), "NUM_WARPS": (4, 8), "NUM_STAGES": (1, 2, 3)},
         lambda: partial(prefill_module.paged_prefill, q, cache, 1, build(), scale),
         lambda us: f"{flops / us / 1e6:.0f} TFLOP/s",
     )
