@@ -252,7 +252,11 @@ def test_triton_step_matches_torch_backend(group: int) -> None:
 
 def test_token_slots() -> None:
     spans = [SeqSpan(0, 3, 5, [4, 9]), SeqSpan(3, 1, 1, [7])]
-    assert token_slots(spans, 4) == [4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 0, 7 * 4 + 0]
+    want = [4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 0, 7 * 4 + 0]
+    assert token_slots(spans, 4) == want
+    as_arrays = [SeqSpan(s.row, s.num_tokens, s.context, np.asarray(s.block_ids, np.int32)) for s in spans]
+    slots = token_slots(as_arrays, 4)  # what the runner gives the Triton backend (block_rows.py)
+    assert slots == want and all(type(v) is int for v in slots)
 
 
 def test_backend_choice() -> None:

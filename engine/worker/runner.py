@@ -29,6 +29,7 @@ from superinfer.engine.model.moe import SparseMoE
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.worker import copy_methods
 from superinfer.engine.worker.attention import SeqSpan, attention_backend
+from superinfer.engine.worker.block_rows import BlockRows
 from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies, tier_boundary
 from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
@@ -142,7 +143,8 @@ class SampleRows:
         return len(self.request_ids)
 
 
-def _gather_inputs(plan: StepPlan) -> _StepInputs:
+def _gather_inputs(plan: StepPlan, block_rows: BlockRows | None = None) -> _StepInputs:
+    """The step's inputs as host lists; with `block_rows`, each span's blocks as an int32 array."""
     x = _StepInputs()
     row = 0
     for seq in plan.seqs:
@@ -152,7 +154,7 @@ def _gather_inputs(plan: StepPlan) -> _StepInputs:
             x.placeholder_rows.append(row + n - 1)
             x.placeholder_ids.append(seq.request_id)
         x.positions.extend(range(start, ctx))
-        x.spans.append(SeqSpan(row, n, ctx, seq.block_ids))
+        x.spans.append(SeqSpan(row, n, ctx, block_rows.array(seq.block_ids) if block_rows else seq.block_ids))
         k = seq.sampling.prompt_logprobs
         count = min(ctx, len(seq.prompt_token_ids) - 1) - start
         if k is not None and count > 0:
@@ -164,7 +166,8 @@ def _gather_inputs(plan: StepPlan) -> _StepInputs:
     d = plan.decodes
     x.input_ids += d.token_ids
     x.positions += d.start_pos
-    x.spans += map(SeqSpan, range(row, row + len(d)), repeat(1), [p + 1 for p in d.start_pos], d.block_ids)
+    blocks = map(block_rows.array, d.block_ids) if block_rows else d.block_ids
+    x.spans += map(SeqSpan, range(row, row + len(d)), repeat(1), [p + 1 for p in d.start_pos], blocks)
     x.sample_rows += range(row, row + len(d))
     for i, token in enumerate(d.token_ids):
         if token == PLACEHOLDER:
@@ -215,6 +218,7 @@ class ModelRunner:
         self.scale = scale
         q_heads = model.model.layers[0].self_attn.num_heads  # this rank's
         self.attention_backend, self.attention = attention_backend(attention, kv_cache, q_heads)
+        self.block_rows = BlockRows() if self.attention_backend == "triton" else None  # its tables take arrays
         if self.attention_backend == "triton" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Triton launches on the current device's current stream
         self.generators: dict[str, torch.Generator] = {}
@@ -268,7 +272,10 @@ class ModelRunner:
         step = SubmittedStep(plan, self.duplex.start(plan))
         step.request_ids = plan.sampled_ids()
         previous, self._previous = self._previous, step
-        inputs = _gather_inputs(plan) if plan.num_seqs else None  # on the host, now: the plan is not kept
+        if self.block_rows is not None:
+            self.block_rows.next_step()
+        # On the host, now: the plan is not kept.
+        inputs = _gather_inputs(plan, self.block_rows) if plan.num_seqs else None
 
         def work() -> None:
             for request_id in plan.released:

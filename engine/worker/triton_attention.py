@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from superinfer.engine.worker.attention import SeqSpan
@@ -23,8 +24,13 @@ def token_slots(spans: Sequence[SeqSpan], block_size: int) -> list[int]:
     """The cache slot (block_id * block_size + offset) of every new token, in row order."""
     slots: list[int] = []
     for s in spans:
-        for pos in range(s.context - s.num_tokens, s.context):
-            slots.append(s.block_ids[pos // block_size] * block_size + pos % block_size)
+        if s.num_tokens == 1:  # a decode: most rows at scale
+            pos = s.context - 1
+            slots.append(int(s.block_ids[pos // block_size]) * block_size + pos % block_size)
+        else:
+            pos = np.arange(s.context - s.num_tokens, s.context)
+            blocks = np.asarray(s.block_ids, dtype=np.int64)[pos // block_size]
+            slots += (blocks * block_size + pos % block_size).tolist()
     return slots
 
 
