@@ -166,7 +166,7 @@ def _gather_inputs(plan: StepPlan, block_rows: BlockRows | None = None) -> _Step
     d = plan.decodes
     x.input_ids += d.token_ids
     x.positions += d.start_pos
-    blocks = map(block_rows.array, d.block_ids) if block_rows else d.block_ids
+    blocks = block_rows.arrays(d.block_ids) if block_rows else d.block_ids
     x.spans += map(SeqSpan, range(row, row + len(d)), repeat(1), [p + 1 for p in d.start_pos], blocks)
     x.sample_rows += range(row, row + len(d))
     for i, token in enumerate(d.token_ids):
