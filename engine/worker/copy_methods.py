@@ -39,6 +39,11 @@ PROBE_BYTES = 64 << 20  # at most, each way (the probe's random sources take as 
 PROBE_REPEATS = 5
 
 
+def _device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+    """Where a copy between the two runs: the GPU side's device."""
+    return src.device if src.is_cuda else dst.device
+
+
 def coalesce(pairs: Pairs, src_boundary: int = 0, dst_boundary: int = 0) -> list[tuple[int, int, int]]:
     """(src, dst) block pairs -> (src_start, dst_start, count) runs, consecutive on both sides;
     a block whose src (dst) id is a multiple of `src_boundary` (`dst_boundary`) starts a run."""
@@ -73,7 +78,7 @@ def copy_kernel(
     (a launch addresses one registration per side; a tier up to host_memory.SLAB_BYTES is one)."""
     from superinfer.kernels.block_copy import copy_blocks
 
-    device = src.device if src.is_cuda else dst.device
+    device = _device(src, dst)
     groups: dict[tuple[int, int], Pairs] = {}
     for s, d in pairs:
         key = (s // src_boundary if src_boundary else 0, d // dst_boundary if dst_boundary else 0)
@@ -105,7 +110,7 @@ def copy_batch(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs, src_boundary:
     refused by that call: there (the `serial` duplex mode) the runs go one by one."""
     from cuda.bindings import runtime
 
-    stream = torch.cuda.current_stream(src.device if src.is_cuda else dst.device).cuda_stream
+    stream = torch.cuda.current_stream(_device(src, dst)).cuda_stream
     if stream == 0:
         return copy_runs(src, dst, pairs, src_boundary, dst_boundary)
     dsts, srcs, sizes = batch_arguments(src, dst, pairs, src_boundary, dst_boundary)
@@ -130,7 +135,7 @@ def _time_method(
     copier: Copier, src: torch.Tensor, dst: torch.Tensor, pairs: Pairs, boundaries: tuple[int, int]
 ) -> float:
     """Median seconds of one copy of `pairs` (after a first one, checked for exact bytes)."""
-    device = src.device if src.is_cuda else dst.device
+    device = _device(src, dst)
     copier(src, dst, pairs, *boundaries)
     torch.cuda.synchronize(device)
     if not torch.equal(_bytes(dst, [d for _, d in pairs]).cpu(), _bytes(src, [s for s, _ in pairs]).cpu()):
