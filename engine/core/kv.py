@@ -23,10 +23,11 @@ released block that an unfinished step still touches carries that step as a fenc
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
 
@@ -41,9 +42,14 @@ def _newest(blocks: Iterable[int], fences: dict[int, int]) -> int:
     return max(map(fences.get, blocks, repeat(0)), default=0)
 
 
+@functools.cache
+def _packer(num_tokens: int) -> Callable[..., bytes]:
+    return struct.Struct(f"<{num_tokens}q").pack
+
+
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """Hash of one full block of tokens, chained with its parent block's hash."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(parent + _packer(len(tokens))(*tokens), digest_size=16).digest()
 
 
 class SwapIn(NamedTuple):
@@ -312,6 +318,13 @@ class KVCacheManager:
         req.block_ids = [*req.block_ids, *cached, *(self.pool.allocate(need) if need > 0 else ())]
         return True
 
+    def add_block_each(self, requests: Sequence[Request]) -> None:
+        """One more GPU block for each request (decodes that begin a block), taken at once: the
+        blocks `allocate(req, 1)` one by one would hand out. The caller has checked the free pool."""
+        if requests:
+            for req, block in zip(requests, self.pool.allocate(len(requests)), strict=True):
+                req.block_ids = [*req.block_ids, block]  # a new list: plans share the old one
+
     def _free_taken(self, cached: Sequence[int]) -> int:
         """Cached blocks that sit in the free list: taking them uses up free blocks too."""
         return sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
@@ -404,6 +417,66 @@ class KVCacheManager:
             copies.append((req.block_ids[i], block))
         self._copying((g for g, _ in copies), (c for _, c in copies), step)
         return copies
+
+    def write_through_all(
+        self, targets: Sequence[tuple[Request, int]], budget: int, step: int
+    ) -> list[tuple[Request, list[tuple[int, int]]]]:
+        """`write_through` of each (request, complete tokens) in turn while `budget` lasts: each
+        request's copies. Newly full blocks of decodes are new content: then the CPU blocks for
+        all of them are taken at once; if one's content is in the tier already, one by one."""
+        planned = self._plan_new_copies(targets, budget)
+        if planned is None:
+            done: list[tuple[Request, list[tuple[int, int]]]] = []
+            for req, complete in targets:
+                if budget <= 0:
+                    break
+                copies = self.write_through(req, budget, step, complete)
+                done.append((req, copies))
+                budget -= len(copies)
+            return done
+        blocks = self.cpu.allocate(sum(n for _, _, n in planned))
+        done, taken = [], 0
+        for req, first, n in planned:
+            fresh = blocks[taken : taken + n]
+            taken += n
+            for block, h in zip(fresh, req.block_hashes[first : first + n], strict=True):
+                self.cpu.register(block, h)
+            req.cpu_block_ids.extend(fresh)
+            done.append((req, list(zip(req.block_ids[first : first + n], fresh, strict=True))))
+        self._copying((g for _, copies in done for g, _ in copies), blocks, step)
+        return done
+
+    def _plan_new_copies(
+        self, targets: Sequence[tuple[Request, int]], budget: int
+    ) -> list[tuple[Request, int, int]] | None:
+        """(request, first block, blocks) that `write_through` one by one would copy, provided
+        none of the blocks it would look at has content the CPU tier holds, or shares content
+        with another of them; else None. Without such hits, nothing but the copies changes the
+        tier in between, so one allocation for all hands out the same blocks."""
+        if self.cpu is None:
+            return []
+        bs, free, lookup = self.block_size, self.cpu.num_free, self.cpu.lookup
+        planned: list[tuple[Request, int, int]] = []
+        seen: set[bytes] = set()
+        n = 0
+        for req, complete in targets:
+            if n >= budget:
+                break
+            first, full = len(req.cpu_block_ids), min(complete // bs, len(req.block_ids))
+            if full <= first:
+                continue
+            take = 0
+            for h in self.update_hashes(req)[first:full]:
+                if h in seen or lookup(h) is not None:
+                    return None
+                if n + take >= budget or n + take >= free:
+                    break
+                seen.add(h)
+                take += 1
+            if take:
+                planned.append((req, first, take))
+                n += take
+        return planned
 
     def _copying(self, gpu_blocks: Iterable[int], cpu_blocks: Iterable[int], step: int) -> None:
         self.pool.copied(gpu_blocks, step)

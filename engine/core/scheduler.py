@@ -295,6 +295,7 @@ class Scheduler:
         kv, bs, step_id, budget = self.kv, self.kv.block_size, step.id, step.budget
         add_token, add_start, add_row = step.decode_tokens.append, step.decode_starts.append, step.decoded.append
         unwritten, writes_through = self._unwritten, step.writes_through
+        free, grow = kv.num_free_blocks, []  # decodes that begin a block, given one each at the end
         for req in self.running[i:] if budget > 0 else ():
             start, pending = req.num_computed_tokens, req.num_pending_tokens
             total = len(req.token_ids) + pending
@@ -303,8 +304,11 @@ class Scheduler:
                 continue
             if total - start != 1 or req.sampling.min_tokens:
                 break
-            if start >= len(req.block_ids) * bs and not kv.allocate(req, 1):
-                break  # allocate changed nothing
+            if start >= len(req.block_ids) * bs:
+                if not free:
+                    break
+                free -= 1
+                grow.append(req)
             req.num_computed_tokens = start + 1
             req.step_before_last, req.last_step = req.last_step, step_id
             if writes_through and (req in unwritten or (start + 1) % bs == 0):
@@ -317,6 +321,7 @@ class Scheduler:
             budget -= 1
             if budget <= 0:
                 break
+        kv.add_block_each(grow)
         step.budget = budget
         return i
 
@@ -407,36 +412,66 @@ class Scheduler:
             # With async scheduling the step was planned while the one before it still ran.
             self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
-        touched = []
-        # Hot at thousands of requests: Request.append_token and stop_reason are inlined (the
-        # latter behind one check), and commit_full_blocks is called only when a block filled.
-        bs, caching = self.kv.block_size, self.kv.enable_prefix_caching
-        running, finished, rotary = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ROTARY
-        seqs, decodes = plan.seqs, plan.decodes
-        rows = zip(
-            submitted.requests + submitted.decoded,
-            [s.start_pos for s in seqs] + decodes.start_pos,
-            [len(s.token_ids) for s in seqs] + [1] * len(decodes),
-            [s.sample for s in seqs] + [True] * len(decodes),
-            strict=True,
-        )
-        for req, start, n, sample in rows:
-            if sample:
+        touched: list[Request] = []
+        seqs = plan.seqs
+        for req, seq in zip(submitted.requests, seqs, strict=True):
+            start, n = seq.start_pos, len(seq.token_ids)
+            if seq.sample:
                 req.num_pending_tokens -= 1
+            if req.status is RequestStatus.FINISHED:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.kv.commit_full_blocks(req, start, start + n)
+            if seq.sample:
+                self._apply_token(req, sampled[req.request_id], now, touched)
+        self._apply_decodes(submitted.decoded, plan.decodes, sampled, now, touched)
+        self.kv.retire(plan.step_id)
+        return touched
+
+    def _apply_token(self, req: Request, token: int, now: float, touched: list[Request]) -> None:
+        """Append a live request's sampled token, time it, and finish the request if it must stop."""
+        req.output_token_ids.append(token)
+        req.token_ids.append(token)
+        if req.t_first_token is None:
+            req.t_first_token = now
+        else:
+            gap = now - req.t_last_token
+            req.token_gaps.append(gap)
+            if gap > req.max_gap_s:
+                lost_now = req.status is RequestStatus.ROTARY and gap * 1000.0 > req.slo.tbt_ms and not req.tbt_missed
+                req.max_gap_s = gap
+                if lost_now:
+                    self._split_rotary()
+        req.t_last_token = now
+        reason = req.stop_reason()
+        if reason is not None:
+            self._finish(req, reason)
+        touched.append(req)
+
+    def _apply_decodes(
+        self, requests: list[Request], rows: DecodeRows, sampled: dict[str, int], now: float, touched: list[Request]
+    ) -> None:
+        """_apply_token for each decode row, inlined: the bulk of update() at thousands of
+        requests. A row fills a block when its position is a block's last slot; its stop check is
+        behind one test."""
+        bs, caching, commit = self.kv.block_size, self.kv.enable_prefix_caching, self.kv.commit_full_blocks
+        running, finished, rotary = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ROTARY
+        add = touched.append
+        tokens = map(sampled.__getitem__, rows.request_ids)
+        for req, start, token in zip(requests, rows.start_pos, tokens, strict=True):
+            req.num_pending_tokens -= 1
             status = req.status
             if status is finished:
                 continue
-            if caching and status is running and start % bs + n >= bs:  # the step filled a block
-                self.kv.commit_full_blocks(req, start, start + n)
-            if not sample:
-                continue
-            token = sampled[req.request_id]
+            if caching and (start + 1) % bs == 0 and status is running:
+                commit(req, start, start + 1)
             req.output_token_ids.append(token)
             req.token_ids.append(token)
-            if req.t_first_token is None:
+            t_last = req.t_last_token
+            if t_last is None:
                 req.t_first_token = now
             else:
-                gap = now - req.t_last_token
+                gap = now - t_last
                 req.token_gaps.append(gap)
                 if gap > req.max_gap_s:
                     lost_now = status is rotary and gap * 1000.0 > req.slo.tbt_ms and not req.tbt_missed
@@ -448,9 +483,7 @@ class Scheduler:
                 reason = req.stop_reason()
                 if reason is not None:
                     self._finish(req, reason)
-            touched.append(req)
-        self.kv.retire(plan.step_id)
-        return touched
+            add(req)
 
     # --- helpers ---------------------------------------------------------------------------
     def _track_filled(self, req: Request, start: int, end: int, step: _Step) -> None:
@@ -501,30 +534,27 @@ class Scheduler:
         free = kv.pool.num_free
         if free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.rotary and not self._waiting_outgrow(free):
             return
+        bs, start_pos = kv.block_size, step.start_pos
         candidates = list(filter(self._unwritten.__contains__, self.running))
-        order: list[Request] = []
-        done: dict[str, int] = {}  # tokens with final KV before this step
+        complete: dict[Request, int] = {}  # tokens with final KV before this step
         total = 0
         for req in candidates:
-            complete = step.start_pos.get(req.request_id, req.num_computed_tokens)
-            n = self.kv.unwritten_blocks(req, complete)
+            done = start_pos.get(req.request_id, req.num_computed_tokens)
+            n = min(done // bs, len(req.block_ids)) - len(req.cpu_block_ids)  # kv.unwritten_blocks
             if n > 0:
-                order.append(req)
-                done[req.request_id] = complete
+                complete[req] = done
                 total += n
-        if len(order) > 1 and total > min(step.transfer_left, self.kv.cpu.num_free):
+        order = list(complete)
+        if len(order) > 1 and total > min(step.transfer_left, kv.cpu.num_free):
             order = self.policy.rotation_order(order, step.now)
-        for req in order:
-            if step.transfer_left <= 0:
-                break
-            copies = self.kv.write_through(req, step.transfer_left, step.id, done[req.request_id])
+        for req, copies in kv.write_through_all([(r, complete[r]) for r in order], step.transfer_left, step.id):
             if copies:  # blocks full before this step: written by the request's compute before it
                 written = req.step_before_last if req.last_step == step.id else req.last_step
                 step.swap_out_after = max(step.swap_out_after, written)
             step.swap_out += copies
             step.transfer_left -= len(copies)
         for req in candidates:
-            if not self.kv.unwritten_blocks(req, req.num_computed_tokens):
+            if min(req.num_computed_tokens // bs, len(req.block_ids)) <= len(req.cpu_block_ids):
                 self._unwritten.discard(req)  # written up to its computed tokens, this step's included
 
     def _waiting_outgrow(self, free: int) -> bool:
