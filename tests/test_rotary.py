@@ -453,3 +453,41 @@ def test_a_request_that_already_missed_its_tbt_yields_first():
     assert [r.request_id for r in decision.rotate_out] == ["missed"], "not 'old', which still meets its SLO"
     step(s)
     assert s.requests["missed"].status is RequestStatus.ROTARY
+
+
+def _tier_state(kv: KVCacheManager, reqs: list[Request]) -> tuple:
+    cpu = kv.cpu
+    return [r.cpu_block_ids for r in reqs], cpu.ref_cnt, cpu.cached, list(cpu.free), cpu.copying, kv.pool.copying
+
+
+@pytest.mark.parametrize(
+    ("shared", "budget", "cpu_blocks"),
+    [(False, 100, 64), (False, 5, 64), (False, 100, 6), (True, 100, 64), (True, 3, 64)],
+)
+def test_write_through_all_copies_what_one_by_one_copies(shared, budget, cpu_blocks):
+    """Written through together (one CPU allocation when no content is shared, one by one when
+    some is): the same copies, block ids and tier state as `write_through` per request, within
+    the shared budget and the tier's free blocks."""
+    states, results = [], []
+    for together in (True, False):
+        kv = KVCacheManager(64, BS, True, cpu_blocks)
+        prompts = [[9, 9, 9, 9, 5, 5, 5, 5, i] if shared else [i] * 9 for i in range(1, 6)]
+        reqs = [Request(f"r{i}", p, SamplingParams(), 0.0) for i, p in enumerate(prompts)]
+        for req in reqs:
+            assert kv.allocate(req, len(req.token_ids))
+            req.num_computed_tokens = len(req.token_ids)
+        targets = [(r, r.num_computed_tokens) for r in reqs]
+        if together:
+            got = kv.write_through_all(targets, budget, step=1)
+        else:
+            got, left = [], budget
+            for req, complete in targets:
+                if left <= 0:
+                    break
+                got.append((req, kv.write_through(req, left, 1, complete)))
+                left -= len(got[-1][1])
+        results.append([(r.request_id, copies) for r, copies in got if copies])
+        states.append(_tier_state(kv, reqs))
+    assert results[0] == results[1] and states[0] == states[1]
+    copied = sum(len(c) for _, c in results[0])
+    assert copied == min(budget, cpu_blocks, 2 if shared else 10)  # shared: two blocks' content, once
