@@ -1,12 +1,13 @@
 """The scheduler's hot paths plan exactly what the straightforward code they replaced planned.
 
-At thousands of live requests the scheduler serves plain decodes in one inlined loop, writes
-through only the requests that filled a block, applies tokens in an inlined update, computes the
-TBT guard in one pass and ranks running and non-running requests apart. Under overload it also
-checks whether a rotary request fits without looking its blocks up (the pool's hashes in use),
-looks one by one only at the rotary requests whose TBT is not lost, and ranks only the patient
-requests that fit. The reference below is the code before those changes (a lookup per block for
-each rotary request, every non-running request ranked); both run the same seeded random traces
+At thousands of live requests the scheduler serves plain decodes with vector operations over
+its running batch's columns, writes through only the requests that filled a block (for many at
+once), applies tokens in an inlined update, computes the TBT guard in one pass and ranks running
+and non-running requests apart. Under overload it also checks whether a rotary request fits
+without looking its blocks up (the pool's hashes in use), looks one by one only at the rotary
+requests whose TBT is not lost, and ranks only the patient requests that fit. The reference
+(`tests/reference_scheduler.py`, and the reference policy below) is the code before those changes
+(one request and one block lookup at a time, every non-running request ranked); both run the same seeded random traces
 (arrivals with shared prefixes, stop tokens, min_tokens, aborts, async steps, memory and CPU-tier
 contention, every policy) and must produce identical plans and request states at every step.
 """
@@ -23,7 +24,7 @@ import pytest
 
 from superinfer.engine.core import policies
 from superinfer.engine.core.kv import KVCacheManager
-from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
+from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import (
     MIN_PREFILL_CHUNK,
     RESIDENCY_SHARE,
@@ -37,184 +38,10 @@ from superinfer.engine.core.policies import (
     virtual_lag_time,
 )
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from superinfer.engine.core.scheduler import WRITE_THROUGH_FREE_SHARE, Scheduler, SchedulerConfig
+from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.core.step_time import StepShape
 from superinfer.engine.slo import SLO
-
-
-# --- the reference: the code before the hot paths ------------------------------------------
-class ReferenceScheduler(Scheduler):
-    def _serve_running(self, step) -> None:
-        i = 0
-        while i < len(self.running) and step.budget > 0:
-            req = self.running[i]
-            if req.ends_after_pending():
-                i += 1
-                continue
-            n = min(self.next_tokens(req), step.budget)
-            while not self.kv.allocate(req, n):
-                victim = self.policy.victim(self.running[i:], step.now)
-                self._evict(victim, step)
-                step.preempted = True
-                if victim is req:
-                    break
-            else:
-                self._take(req, n, step)
-                i += 1
-
-    def _take(self, req: Request, n: int, step) -> None:
-        start = req.num_computed_tokens
-        req.num_computed_tokens += n
-        req.step_before_last, req.last_step = req.last_step, step.id
-        step.budget -= n
-        token_ids = req.token_ids[start : start + n]
-        token_ids += [PLACEHOLDER] * (n - len(token_ids))
-        sample = req.num_computed_tokens == req.num_scheduled_tokens
-        banned = req.banned_token_ids() if sample else ()
-        if n == 1 and sample and not req.sampling.min_tokens:  # the plan's format: a decode row
-            step.decode_tokens.append(token_ids[0])
-            step.decode_starts.append(start)
-            step.decoded.append(req)
-        else:
-            step.seqs.append(
-                ScheduledSeq(
-                    req.request_id,
-                    token_ids,
-                    start,
-                    list(req.block_ids),
-                    sample,
-                    req.sampling,
-                    banned,
-                    req.prompt_token_ids,
-                )
-            )
-            step.requests.append(req)
-        if sample:
-            req.num_pending_tokens += 1
-
-    def _write_through(self, step) -> None:
-        pressed = self.kv.num_free_blocks <= WRITE_THROUGH_FREE_SHARE * self.kv.num_blocks
-        waiting_need = sum(self.kv.blocks_for(r.num_tokens) for r in self.waiting)
-        if not (pressed or waiting_need > self.kv.num_free_blocks or self.rotary):
-            return
-        start_pos = {seq.request_id: seq.start_pos for seq in step.seqs}
-        start_pos |= {req.request_id: start for req, start in zip(step.decoded, step.decode_starts, strict=True)}
-        order: list[Request] = []
-        done: dict[str, int] = {}
-        total = 0
-        for req in self.running:
-            complete = start_pos.get(req.request_id, req.num_computed_tokens)
-            n = self.kv.unwritten_blocks(req, complete)
-            if n > 0:
-                order.append(req)
-                done[req.request_id] = complete
-                total += n
-        if len(order) > 1 and total > min(step.transfer_left, self.kv.cpu.num_free):
-            order = self.policy.rotation_order(order, step.now)
-        for req in order:
-            if step.transfer_left <= 0:
-                break
-            copies = self.kv.write_through(req, step.transfer_left, step.id, done[req.request_id])
-            if copies:
-                written = req.step_before_last if req.last_step == step.id else req.last_step
-                step.swap_out_after = max(step.swap_out_after, written)
-            step.swap_out += copies
-            step.transfer_left -= len(copies)
-
-    def admission_cost(self, req: Request) -> tuple[int, int]:
-        if req.status is RequestStatus.ROTARY:
-            return reference_swap_in_need(self.kv, req, self.next_tokens(req))
-        cached = self.kv.cached_prefix(req)
-        return self.kv.blocks_for(req.num_tokens) - len(cached) + self.kv._free_taken(cached), 0
-
-    def _admit(self, order: list[Request], step, strict: bool) -> None:
-        for req in order:
-            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                return
-            if req.num_pending_tokens:
-                continue
-            if req.status is RequestStatus.ROTARY:
-                n = self.next_tokens(req)
-                blocks, copies = reference_swap_in_need(self.kv, req, n)
-                if copies > self.config.transfer_budget_blocks:
-                    self._leave_rotary(req)
-                    self._recompute(req, "transfer_budget")
-            if req.status is RequestStatus.ROTARY:
-                if n > step.budget or blocks > self.kv.num_free_blocks or copies > step.transfer_left:
-                    if strict:
-                        return
-                    continue
-                moved = self.kv.swap_in(req, n, step.id)
-                step.swap_in += moved.copies
-                step.swap_in_after = max(step.swap_in_after, moved.after_compute)
-                step.swap_in_after_copy = max(step.swap_in_after_copy, moved.after_copy)
-                step.transfer_left -= len(moved.copies)
-                self._leave_rotary(req)
-            else:
-                cached = self.kv.cached_prefix(req)
-                num_cached = len(cached) * self.kv.block_size
-                n = min(req.num_tokens - num_cached, step.budget)
-                if not self.kv.allocate(req, n, cached):
-                    if strict:
-                        return
-                    continue
-                self.waiting.remove(req)
-                req.num_computed_tokens = num_cached
-                if req.t_scheduled is None:
-                    req.t_scheduled = step.now
-                    req.num_cached_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            req.t_run = step.now
-            self.running.append(req)
-            if step.writes_through:
-                self._unwritten.add(req)
-            self._take(req, n, step)
-
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        now = self.clock()
-        submitted = self._submitted.pop(plan.step_id)
-        seqs = plan.all_seqs()
-        if seqs:
-            context = sum(seq.context_len for seq in seqs)
-            shape = StepShape(plan.num_tokens, context)
-            self.step_time.observe(shape, now - max(submitted.planned_at, self._t_last_update))
-        self._t_last_update = now
-        touched = []
-        for req, seq in zip(submitted.requests + submitted.decoded, seqs, strict=True):
-            if seq.sample:
-                req.num_pending_tokens -= 1
-            if req.is_finished:
-                continue
-            if req.status is RequestStatus.RUNNING:
-                self.kv.commit_full_blocks(req, seq.start_pos, seq.context_len)
-            if not seq.sample:
-                continue
-            req.append_token(sampled[seq.request_id])
-            if req.t_first_token is None:
-                req.t_first_token = now
-            else:
-                gap = now - req.t_last_token
-                req.token_gaps.append(gap)
-                req.max_gap_s = max(req.max_gap_s, gap)
-            req.t_last_token = now
-            reason = req.stop_reason()
-            if reason is not None:
-                self._finish(req, reason)
-            touched.append(req)
-        self.kv.retire(plan.step_id)
-        return touched
-
-
-def reference_swap_in_need(kv: KVCacheManager, req: Request, num_new_tokens: int) -> tuple[int, int]:
-    """A lookup per full block: free blocks taken (all but those another request holds) and copies."""
-    hashes = kv.update_hashes(req)
-    taken = copies = 0
-    for i in range(len(req.cpu_block_ids)):
-        block = kv.pool.lookup(hashes[i])
-        copies += block is None
-        taken += block is None or kv.pool.ref_cnt[block] == 0
-    copies += req.cpu_tail is not None
-    return taken + kv.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.cpu_block_ids), copies
+from tests.reference_scheduler import ReferenceScheduler
 
 
 def reference_tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:

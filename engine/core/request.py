@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.guided import GuidedSpec
 from superinfer.engine.slo import SLO
+
+if TYPE_CHECKING:
+    from superinfer.engine.core.running_batch import RunningBatch
 
 
 class RequestStatus(enum.Enum):
@@ -94,14 +98,17 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is (or, once the step runs, will be) in the cache
-    num_pending_tokens: int = 0  # sampled by a submitted step whose result is not back yet
+    # num_computed_tokens, num_pending_tokens, last_step, step_before_last: properties below.
+    _num_computed_tokens: int = field(default=0, init=False, repr=False)
+    _num_pending_tokens: int = field(default=0, init=False, repr=False)
+    _last_step: int = field(default=0, init=False, repr=False)
+    _step_before_last: int = field(default=0, init=False, repr=False)
+    _batch: RunningBatch | None = field(default=None, init=False, repr=False)  # while it runs
+    _slot: int = field(default=-1, init=False, repr=False)
     block_ids: list[int] = field(default_factory=list)  # GPU block table; plans share it, so it is replaced, not grown
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
     cpu_block_ids: list[int] = field(default_factory=list)  # CPU copies of its first full blocks
     cpu_tail: int | None = None  # CPU copy of its partial last block while rotated out
-    last_step: int = 0  # the newest step that computes with its blocks
-    step_before_last: int = 0  # the one before (wrote the blocks that filled up before last_step)
     num_rotations: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at first admission
     num_preemptions: int = 0
@@ -125,6 +132,64 @@ class Request:
         self.length_limit = len(self.prompt_token_ids) + self.sampling.max_tokens
         eos = frozenset() if self.sampling.ignore_eos else self.eos_token_ids
         self.stop_token_set = eos | frozenset(self.sampling.stop_token_ids)
+
+    # The counters every step changes: in the scheduler's RunningBatch while the request runs
+    # (that is where the scheduler updates them, in columns), in the request otherwise.
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is (or, once the step runs, will be) in the cache."""
+        batch = self._batch
+        return self._num_computed_tokens if batch is None else batch.computed[self._slot]
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        batch = self._batch
+        if batch is None:
+            self._num_computed_tokens = value
+        else:
+            batch.computed[self._slot] = value
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens sampled by a submitted step whose result is not back yet."""
+        batch = self._batch
+        return self._num_pending_tokens if batch is None else batch.pending[self._slot]
+
+    @num_pending_tokens.setter
+    def num_pending_tokens(self, value: int) -> None:
+        batch = self._batch
+        if batch is None:
+            self._num_pending_tokens = value
+        else:
+            batch.pending[self._slot] = value
+
+    @property
+    def last_step(self) -> int:
+        """The newest step that computes with its blocks."""
+        batch = self._batch
+        return self._last_step if batch is None else batch.last_step[self._slot]
+
+    @last_step.setter
+    def last_step(self, value: int) -> None:
+        batch = self._batch
+        if batch is None:
+            self._last_step = value
+        else:
+            batch.last_step[self._slot] = value
+
+    @property
+    def step_before_last(self) -> int:
+        """The step before last_step (it wrote the blocks that filled up before last_step)."""
+        batch = self._batch
+        return self._step_before_last if batch is None else batch.prev_step[self._slot]
+
+    @step_before_last.setter
+    def step_before_last(self, value: int) -> None:
+        batch = self._batch
+        if batch is None:
+            self._step_before_last = value
+        else:
+            batch.prev_step[self._slot] = value
 
     @property
     def num_tokens(self) -> int:

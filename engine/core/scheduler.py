@@ -25,12 +25,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import compress
 from operator import attrgetter
+
+import numpy as np
 
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
+from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 
 _arrival = attrgetter("arrival_time")
@@ -91,6 +95,8 @@ class _Submitted:
 
     requests: list[Request]  # the request of each seq
     decoded: list[Request]  # the request of each decode row
+    decode_slots: np.ndarray  # their RunningBatch slots and the slots' generations when planned
+    decode_gens: np.ndarray
     planned_at: float
     shape: StepShape
 
@@ -107,6 +113,7 @@ class _Step:
     requests: list[Request] = field(default_factory=list)  # the request of each seq
     # Plain decodes, in rows: their token and position now, the other columns once planned.
     decoded: list[Request] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
     decode_starts: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -136,6 +143,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.batch = RunningBatch()  # the running requests' counters, in running order
         self.rotary: list[Request] = []  # in arrival order (rotated out earlier first on ties)
         # The same apart, in the same order, by whether their TBT SLO is lost (Request.tbt_missed):
         # under overload most are, and the rotary policy only looks at the others one by one.
@@ -266,7 +274,8 @@ class Scheduler:
             released=released,
         )
         shape = StepShape(plan.num_tokens, plan.num_context_tokens)
-        self._submitted[step.id] = _Submitted(step.requests, decoded, step.now, shape)
+        slots = np.array(step.decode_slots, dtype=np.int64)
+        self._submitted[step.id] = _Submitted(step.requests, decoded, slots, self.batch.np_gen[slots], step.now, shape)
         return plan
 
     def _serve_running(self, step: _Step) -> None:
@@ -289,41 +298,61 @@ class Scheduler:
     def _serve_decodes(self, i: int, step: _Step) -> int:
         """Serve running[i:] while they are plain decodes (one token, a block for it, nothing to
         ban), as decode rows, skipping those whose pending token ends them; returns where it
-        stopped (a prefill chunk, a decode under min_tokens, or no free block: the general path
-        takes it, and evicts). The bulk of a step with thousands of running requests:
-        Request.ends_after_pending inlined, locals hoisted, and no object built per row."""
-        kv, bs, step_id, budget = self.kv, self.kv.block_size, step.id, step.budget
-        add_token, add_start, add_row = step.decode_tokens.append, step.decode_starts.append, step.decoded.append
-        unwritten, writes_through = self._unwritten, step.writes_through
-        free, grow = kv.num_free_blocks, []  # decodes that begin a block, given one each at the end
-        for req in self.running[i:] if budget > 0 else ():
-            start, pending = req.num_computed_tokens, req.num_pending_tokens
-            total = len(req.token_ids) + pending
-            if pending and total >= req.length_limit:
-                i += 1  # req.ends_after_pending(): scheduling it again would only waste a step
-                continue
-            if total - start != 1 or req.sampling.min_tokens:
-                break
-            if start >= len(req.block_ids) * bs:
-                if not free:
-                    break
-                free -= 1
-                grow.append(req)
-            req.num_computed_tokens = start + 1
-            req.step_before_last, req.last_step = req.last_step, step_id
-            if writes_through and (req in unwritten or (start + 1) % bs == 0):
-                self._track_filled(req, start, start + 1, step)
-            add_token(PLACEHOLDER if pending else req.token_ids[start])
-            add_start(start)
-            add_row(req)
-            req.num_pending_tokens = pending + 1
-            i += 1
-            budget -= 1
-            if budget <= 0:
-                break
-        kv.add_block_each(grow)
-        step.budget = budget
-        return i
+        stopped (a prefill chunk, a decode under min_tokens, no free block, or the token budget
+        spent: the general path takes it, and evicts). The bulk of a step with thousands of
+        running requests: vector operations over the running batch's columns, the row that stops
+        them found first; the rows that begin a block get theirs in one allocation."""
+        b, budget = self.batch, step.budget
+        slots = b.order[i:]
+        if budget <= 0 or not len(slots):
+            return i
+        bs = self.kv.block_size
+        computed, pending = b.np_computed[slots], b.np_pending[slots]
+        total = b.np_num_tokens[slots] + pending
+        decode = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
+        stops = decode & ((total - computed != 1) | (b.np_plain[slots] == 0))
+        needs_block = decode & (computed >= b.np_nblocks[slots] * bs)
+        blocks_taken = np.cumsum(needs_block)
+        stops |= blocks_taken > self.kv.num_free_blocks  # from the first one that finds no free block
+        end = int(np.argmax(stops)) if stops.any() else len(slots)
+        served = np.cumsum(decode[:end])
+        if end and served[-1] >= budget:
+            end = int(np.argmax(served >= budget)) + 1  # it spends the last of the budget
+        taken = decode[:end]
+        rows, starts, was_pending = slots[:end][taken], computed[:end][taken], pending[:end][taken]
+        grow = slots[:end][needs_block[:end]]
+        if len(grow):
+            self.kv.add_block_each([b.requests[slot] for slot in grow.tolist()])
+            b.np_nblocks[grow] += 1
+        b.np_computed[rows] = starts + 1
+        b.np_prev_step[rows] = b.np_last_step[rows]
+        b.np_last_step[rows] = step.id
+        b.np_pending[rows] = was_pending + 1
+        row_slots = rows.tolist()
+        reqs = [b.requests[slot] for slot in row_slots]
+        step.decoded += reqs
+        step.decode_slots += row_slots
+        step.decode_tokens += np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows]).tolist()
+        step.decode_starts += starts.tolist()
+        step.budget = budget - len(row_slots)
+        if step.writes_through:
+            self._track_filled_rows(rows, reqs, starts, step)
+        return i + end
+
+    def _track_filled_rows(self, rows: np.ndarray, reqs: list[Request], starts: np.ndarray, step: _Step) -> None:
+        """_track_filled of the decode rows in batch slots `rows` (requests `reqs`, computing token
+        `starts[k]` each): only the unwritten requests among them and the rows that fill a block
+        are looked at."""
+        b, unwritten = self.batch, self._unwritten
+        if unwritten:
+            in_rows = np.zeros(b.capacity, dtype=bool)
+            in_rows[rows] = True
+            for req in unwritten:
+                if req._batch is b and in_rows[req._slot]:
+                    step.start_pos[req.request_id] = b.computed[req._slot] - 1
+        for k in np.flatnonzero((starts + 1) % self.kv.block_size == 0).tolist():
+            if reqs[k] not in unwritten:
+                step.filled.append(reqs[k])
 
     def _admit_patient(self, requests: list[Request], step: _Step) -> None:
         """Admit the patient requests into what is left, best first, without looking at the
@@ -396,6 +425,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.t_run = step.now
             self.running.append(req)
+            self.batch.add(req)
             if step.writes_through:
                 self._unwritten.add(req)  # its cached prefix, or blocks filled before it left
             self._take(req, n, step)
@@ -413,8 +443,7 @@ class Scheduler:
             self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
         touched: list[Request] = []
-        seqs = plan.seqs
-        for req, seq in zip(submitted.requests, seqs, strict=True):
+        for req, seq in zip(submitted.requests, plan.seqs, strict=True):
             start, n = seq.start_pos, len(seq.token_ids)
             if seq.sample:
                 req.num_pending_tokens -= 1
@@ -423,15 +452,20 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 self.kv.commit_full_blocks(req, start, start + n)
             if seq.sample:
-                self._apply_token(req, sampled[req.request_id], now, touched)
-        self._apply_decodes(submitted.decoded, plan.decodes, sampled, now, touched)
+                self._apply_token(req, sampled[req.request_id], now)
+                touched.append(req)
+        touched += self._apply_decodes(submitted, plan.decodes, sampled, now)
         self.kv.retire(plan.step_id)
         return touched
 
-    def _apply_token(self, req: Request, token: int, now: float, touched: list[Request]) -> None:
+    def _apply_token(self, req: Request, token: int, now: float) -> None:
         """Append a live request's sampled token, time it, and finish the request if it must stop."""
         req.output_token_ids.append(token)
         req.token_ids.append(token)
+        batch = req._batch
+        if batch is not None:
+            batch.num_tokens[req._slot] += 1
+            batch.last_token[req._slot] = token
         if req.t_first_token is None:
             req.t_first_token = now
         else:
@@ -446,27 +480,33 @@ class Scheduler:
         reason = req.stop_reason()
         if reason is not None:
             self._finish(req, reason)
-        touched.append(req)
 
     def _apply_decodes(
-        self, requests: list[Request], rows: DecodeRows, sampled: dict[str, int], now: float, touched: list[Request]
-    ) -> None:
-        """_apply_token for each decode row, inlined: the bulk of update() at thousands of
-        requests. A row fills a block when its position is a block's last slot; its stop check is
-        behind one test."""
-        bs, caching, commit = self.kv.block_size, self.kv.enable_prefix_caching, self.kv.commit_full_blocks
-        running, finished, rotary = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ROTARY
-        add = touched.append
-        tokens = map(sampled.__getitem__, rows.request_ids)
-        for req, start, token in zip(requests, rows.start_pos, tokens, strict=True):
-            req.num_pending_tokens -= 1
-            status = req.status
-            if status is finished:
-                continue
-            if caching and (start + 1) % bs == 0 and status is running:
-                commit(req, start, start + 1)
-            req.output_token_ids.append(token)
-            req.token_ids.append(token)
+        self, submitted: _Submitted, rows: DecodeRows, sampled: dict[str, int], now: float
+    ) -> list[Request]:
+        """_apply_token for each decode row; returns the rows' requests that got their token.
+        The bulk of update() at thousands of requests: the rows whose request still runs in the
+        slot it was planned in (nearly all) get their counters in columns and their tokens
+        appended in bulk; what may touch the KV cache or end a request (a row that fills a
+        block, one whose token may stop it, one whose request left its slot since planning: it
+        was rotated out, preempted or finished) is done one row at a time, in row order."""
+        reqs = submitted.decoded
+        if not reqs:
+            return []
+        b, bs = self.batch, self.kv.block_size
+        tokens = list(map(sampled.__getitem__, rows.request_ids))
+        in_slot = b.np_gen[submitted.decode_slots] == submitted.decode_gens
+        everyone = bool(in_slot.all())
+        keep = None if everyone else in_slot.tolist()
+        live = reqs if keep is None else list(compress(reqs, keep))
+        live_tokens = tokens if keep is None else list(compress(tokens, keep))
+        slots = submitted.decode_slots[in_slot]
+        b.np_pending[slots] -= 1
+        b.np_num_tokens[slots] += 1
+        b.np_last_token[slots] = live_tokens
+        deque(map(list.append, [r.output_token_ids for r in live], live_tokens), maxlen=0)
+        deque(map(list.append, [r.token_ids for r in live], live_tokens), maxlen=0)
+        for req in live:  # running: its TBT cannot be lost while rotated out (Request.tbt_missed)
             t_last = req.t_last_token
             if t_last is None:
                 req.t_first_token = now
@@ -474,16 +514,39 @@ class Scheduler:
                 gap = now - t_last
                 req.token_gaps.append(gap)
                 if gap > req.max_gap_s:
-                    lost_now = status is rotary and gap * 1000.0 > req.slo.tbt_ms and not req.tbt_missed
                     req.max_gap_s = gap
-                    if lost_now:
-                        self._split_rotary()
             req.t_last_token = now
-            if token in req.stop_token_set or len(req.token_ids) >= req.length_limit:
+        stops = np.fromiter(
+            map(frozenset.__contains__, [r.stop_token_set for r in live], live_tokens), dtype=bool, count=len(live)
+        )
+        stops |= b.np_num_tokens[slots] >= b.np_limit[slots]
+        events = ~in_slot
+        events[in_slot] = stops
+        starts = np.array(rows.start_pos, dtype=np.int64)
+        fills = (starts + 1) % bs == 0
+        if self.kv.enable_prefix_caching:
+            events |= fills
+        dropped = []
+        for k in np.flatnonzero(events).tolist():
+            req, start = reqs[k], rows.start_pos[k]
+            if in_slot[k]:
+                if fills[k] and self.kv.enable_prefix_caching:
+                    self.kv.commit_full_blocks(req, start, start + 1)
                 reason = req.stop_reason()
                 if reason is not None:
                     self._finish(req, reason)
-            add(req)
+                continue
+            req.num_pending_tokens -= 1
+            if req.status is RequestStatus.FINISHED:
+                dropped.append(k)
+                continue
+            if fills[k] and self.kv.enable_prefix_caching and req.status is RequestStatus.RUNNING:
+                self.kv.commit_full_blocks(req, start, start + 1)
+            self._apply_token(req, tokens[k], now)
+        if dropped:
+            gone = set(dropped)
+            return [r for k, r in enumerate(reqs) if k not in gone]
+        return reqs
 
     # --- helpers ---------------------------------------------------------------------------
     def _track_filled(self, req: Request, start: int, end: int, step: _Step) -> None:
@@ -494,6 +557,7 @@ class Scheduler:
             step.filled.append(req)  # nothing to write before this step: all full blocks are written
 
     def _take(self, req: Request, n: int, step: _Step) -> None:
+        self.batch.nblocks[req._slot] = len(req.block_ids)  # allocated for this step
         start = req.num_computed_tokens
         end = req.num_computed_tokens = start + n
         req.step_before_last, req.last_step = req.last_step, step.id
@@ -508,6 +572,7 @@ class Scheduler:
             step.decode_tokens.append(token_ids[0])
             step.decode_starts.append(start)
             step.decoded.append(req)
+            step.decode_slots.append(req._slot)
         else:
             banned = req.banned_token_ids() if sample and req.sampling.min_tokens else ()
             step.seqs.append(
@@ -574,7 +639,7 @@ class Scheduler:
         if copies is None:
             return False
         step.swap_out_after = max(step.swap_out_after, req.last_step)
-        self.running.remove(req)
+        self._stop_running(req)
         self._unwritten.discard(req)
         step.swap_out += copies
         step.transfer_left -= len(copies)
@@ -589,6 +654,10 @@ class Scheduler:
         # kv.swap_in_blocks(req, self.next_tokens(req)) while none of its content is in use
         self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
         return True
+
+    def _stop_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self.batch.remove(req)
 
     def _leave_rotary(self, req: Request) -> None:
         _remove_sorted(self.rotary, req)
@@ -608,7 +677,7 @@ class Scheduler:
             if self._rotate_out(req, step, "gpu_full"):
                 return
             reason = "transfer_budget" if step.transfer_left < self.kv.swap_out_cost(req) else "cpu_full"
-        self.running.remove(req)
+        self._stop_running(req)
         self._recompute(req, reason)
 
     def _recompute(self, req: Request, reason: str) -> None:
@@ -624,7 +693,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._stop_running(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.ROTARY:

@@ -1,0 +1,98 @@
+"""The running requests' per-step counters in columns: what vLLM v1 calls its persistent batch.
+
+A running request owns a slot. While it runs, its counters that change every step
+(`num_computed_tokens`, `num_pending_tokens`, `last_step`, `step_before_last`) live in the
+slot, not in the Request: the Request's properties read and write the slot, and the scheduler
+serves thousands of plain decodes with a few vector operations instead of a Python loop over
+them. The batch also mirrors what the decode path reads of each request (its token count and
+newest token, its block count, its length limit, whether it is a plain decode), kept current by
+the scheduler. When the request stops running, its counters go back into the Request.
+
+A slot freed and handed to another request gets a new generation: a plan made before that
+(async scheduling) names its rows by slot and generation, so its update finds which rows still
+belong to the same running request.
+"""
+
+from __future__ import annotations
+
+from array import array
+from itertools import repeat
+
+import numpy as np
+
+from superinfer.engine.core.request import Request
+
+# (column, array typecode): the Request counters first (their names in Request are in _OWNED).
+_COLUMNS = {
+    "computed": "q",
+    "pending": "q",
+    "last_step": "q",
+    "prev_step": "q",
+    "num_tokens": "q",  # len(token_ids)
+    "last_token": "q",  # token_ids[-1]
+    "nblocks": "q",  # len(block_ids)
+    "limit": "q",  # length_limit
+    "plain": "b",  # no min_tokens: a decode row of it samples with nothing banned
+    "gen": "q",  # bumped each time the slot is freed
+}
+_OWNED = {
+    "computed": "_num_computed_tokens",
+    "pending": "_num_pending_tokens",
+    "last_step": "_last_step",
+    "prev_step": "_step_before_last",
+}
+
+
+class RunningBatch:
+    """Columns indexed by slot. `order` holds the running requests' slots in running order.
+
+    Each column is an `array.array` (the Request properties index it: a plain Python int, fast)
+    under a numpy view of the same memory (`np_<column>`: the vector operations)."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.requests: list[Request | None] = []
+        self.free_slots: list[int] = []
+        self.order = np.empty(0, dtype=np.int64)
+        self.capacity = 0
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        for name, code in _COLUMNS.items():
+            old = getattr(self, name, array(code))
+            new = array(code, old)  # a copy: numpy views of the old one may still exist
+            new.extend(repeat(0, capacity - len(old)))
+            setattr(self, name, new)
+            setattr(self, f"np_{name}", np.frombuffer(new, dtype=np.int8 if code == "b" else np.int64))
+        self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))  # lowest slot first
+        self.requests.extend(repeat(None, capacity - self.capacity))
+        self.capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, req: Request) -> None:
+        """The request starts running (last in running order): its counters move into a slot."""
+        if not self.free_slots:
+            self._grow(2 * self.capacity)
+        slot = self.free_slots.pop()
+        for column, attr in _OWNED.items():
+            getattr(self, column)[slot] = getattr(req, attr)
+        self.num_tokens[slot] = len(req.token_ids)
+        self.last_token[slot] = req.token_ids[-1]
+        self.nblocks[slot] = len(req.block_ids)
+        self.limit[slot] = req.length_limit
+        self.plain[slot] = not req.sampling.min_tokens
+        self.requests[slot] = req
+        req._batch, req._slot = self, slot
+        self.order = np.append(self.order, slot)
+
+    def remove(self, req: Request) -> None:
+        """The request stops running: its counters go back into it and its slot is freed."""
+        slot = req._slot
+        for column, attr in _OWNED.items():
+            setattr(req, attr, getattr(self, column)[slot])
+        req._batch, req._slot = None, -1
+        self.requests[slot] = None
+        self.gen[slot] += 1
+        self.free_slots.append(slot)
+        self.order = self.order[self.order != slot]
