@@ -273,6 +273,7 @@ def run_both(seed: int) -> Scheduler:
             assert touched[0] == touched[1]
         assert state_digest(fast) == state_digest(ref)
         check_swap_in_index(fast)
+        check_running_batch(fast)
     # Plans share block tables with their requests: none changed after it was handed out.
     assert all(plan_digest(plan) == digest for plan, digest in handed_out)
     return fast
@@ -288,6 +289,19 @@ def check_swap_in_index(s: Scheduler) -> None:
     assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
     assert s.rotary_on_time == [r for r in s.rotary if not r.tbt_missed]
     assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
+
+
+def check_running_batch(s: Scheduler) -> None:
+    """The running batch holds exactly the running requests, in order, and what it mirrors of
+    each is current; the others keep their counters in themselves."""
+    b = s.batch
+    assert b.order.tolist() == [r._slot for r in s.running] and all(r._batch is b for r in s.running)
+    for r in s.running:
+        slot = r._slot
+        assert b.requests[slot] is r
+        mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.limit[slot], b.tbt_ms[slot])
+        assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), r.length_limit, r.slo.tbt_ms)
+    assert all(r._batch is None for r in [*s.waiting, *s.rotary])
 
 
 SEEDS = range(40)

@@ -34,14 +34,14 @@ def test_coefficients_never_go_negative_and_old_steps_fade():
     assert model.predict(StepShape(10, 0)) == pytest.approx(0.2, rel=0.05)
 
 
-def guarded_scheduler(per_token_s: float, slo: SLO, running: int = 4):
-    """A rotary scheduler with `running` decoding requests whose step model says: 10 ms a step
-    plus `per_token_s` per token."""
+def guarded_scheduler(per_token_s: float, slo: SLO, running: int = 4, first_slo: SLO | None = None):
+    """A rotary scheduler with `running` decoding requests (the first with `first_slo` if given)
+    whose step model says: 10 ms a step plus `per_token_s` per token."""
     clock = Clock()
     s = rotary_scheduler(num_blocks=400, budget=256, max_seqs=64, clock=clock)
     for i in range(running):
         s.add(make_request(f"live{i}", 6, max_tokens=50, first_token=7 * i))
-        s.requests[f"live{i}"].slo = slo
+        s.requests[f"live{i}"].slo = first_slo if i == 0 and first_slo else slo
     step(s)
     step(s)  # all decoding now
     s.step_time = StepTimeModel()
@@ -71,9 +71,8 @@ def test_a_request_waits_its_own_turn_not_the_tightest_slo_s():
     """No request starts while a streaming one has waited its whole turn for a token, but a turn
     is 0.8 x that request's own TBT SLO: a batch request (1 s) that waited 200 ms does not hold
     up an interactive one (100 ms turns: 80 ms), which the model says fits."""
-    s, clock = guarded_scheduler(0.0001, SLO(ttft_ms=500, tbt_ms=100), running=2)
+    s, clock = guarded_scheduler(0.0001, SLO(ttft_ms=500, tbt_ms=100), 2, SLO(ttft_ms=30_000, tbt_ms=1000))
     batch, interactive = s.requests["live0"], s.requests["live1"]
-    batch.slo = SLO(ttft_ms=30_000, tbt_ms=1000)
     clock.now = interactive.t_last_token + 0.05
     batch.t_last_token = clock.now - 0.2
     assert tbt_guard(s, clock.now, 0.8).new_requests == 6
@@ -86,8 +85,7 @@ def test_guard_lets_everything_in_when_the_slo_is_loose_or_unreachable():
     guard = tbt_guard(s, s.clock(), 0.8)
     assert guard is not None and guard.new_requests == 6 and guard.token_budget > 256
     # One request alone would miss a 5 ms TBT on this machine: nothing to protect, no guard.
-    for req in s.running:
-        req.slo = SLO(ttft_ms=5000, tbt_ms=5)
+    s, _ = guarded_scheduler(0.0001, SLO(ttft_ms=5000, tbt_ms=5))
     assert tbt_guard(s, s.clock(), 0.8) is None
 
 

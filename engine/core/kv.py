@@ -367,6 +367,16 @@ class KVCacheManager:
         for i in range(start // bs, min(end // bs, len(block_ids), len(hashes))):
             register(block_ids[i], hashes[i])
 
+    def commit_block(self, req: Request, index: int) -> None:
+        """commit_full_blocks for one block that just filled (a decode's), hashing only it."""
+        hashes, bs = req.block_hashes, self.block_size
+        if len(hashes) == index:
+            hashes.append(block_hash(hashes[-1] if hashes else b"", req.token_ids[index * bs : (index + 1) * bs]))
+        elif len(hashes) < index:
+            self.update_hashes(req)
+        if index < len(req.block_ids):
+            self.pool.register(req.block_ids[index], hashes[index])
+
     def free(self, req: Request) -> None:
         """Release the request's blocks in both tiers, tail first so shared prefixes go last.
 

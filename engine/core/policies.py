@@ -22,10 +22,13 @@ from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from superinfer.engine.core.request import Request, RequestStatus
 from superinfer.engine.core.step_time import StepShape
 
 if TYPE_CHECKING:
+    from superinfer.engine.core.running_batch import RunningBatch
     from superinfer.engine.core.scheduler import Scheduler
 
 
@@ -122,13 +125,23 @@ class TBTGuard:
 _token_ids = attrgetter("token_ids")
 
 
-def _live_stats(groups: Iterable[Iterable[Request]], headroom: float) -> tuple[int, int, float, float]:
-    """Of the requests whose TBT SLO is not lost yet: how many, their tokens, the tightest TBT
-    SLO (ms) and when the first of their turns ends (`headroom` x its own TBT SLO after its last
-    token; inf if none has a token). One pass: hot at thousands of requests."""
-    count = tokens = 0
-    min_tbt_ms = turn_end = math.inf
+def _live_stats(
+    groups: Iterable[Iterable[Request]], headroom: float, running: RunningBatch
+) -> tuple[int, int, float, float]:
+    """Of the running requests and those in `groups` whose TBT SLO is not lost yet: how many,
+    their tokens, the tightest TBT SLO (ms) and when the first of their turns ends (`headroom` x
+    its own TBT SLO after its last token; inf if none has a token). The running ones in columns,
+    the others in one pass: hot at thousands of requests."""
     turn_share = headroom / 1000.0
+    slots = running.order
+    tbt = running.np_tbt_ms[slots]
+    live = ~(running.np_max_gap[slots] * 1000.0 > tbt)  # not Request.tbt_missed
+    tbt = tbt[live]
+    ends = running.np_t_last[slots][live] + tbt * turn_share
+    ends = ends[~np.isnan(ends)]  # NaN: no token yet
+    count, tokens = int(live.sum()), int(running.np_num_tokens[slots][live].sum())
+    min_tbt_ms = float(tbt.min()) if count else math.inf
+    turn_end = float(ends.min()) if len(ends) else math.inf
     for group in groups:
         for r in group:
             tbt_ms = r.slo.tbt_ms
@@ -162,7 +175,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     if not model.ready:
         return None
     restarted = [r for r in sched.waiting if r.t_first_token is not None]
-    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.running, sched.rotary_on_time, restarted), headroom)
+    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch)
     if not d:
         return None
     kv = sched.kv
@@ -190,9 +203,10 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
 
 def _growth_blocks(sched: Scheduler) -> int:
     """GPU blocks the running requests need for their next step: kv.growth_blocks of each for its
-    next_tokens, inlined (hot at thousands of running requests)."""
-    bs = sched.kv.block_size
-    return sum(max(0, -(-(len(r.token_ids) + r.num_pending_tokens) // bs) - len(r.block_ids)) for r in sched.running)
+    next_tokens, in columns (hot at thousands of running requests)."""
+    b, slots = sched.batch, sched.batch.order
+    need = -(-(b.np_num_tokens[slots] + b.np_pending[slots]) // sched.kv.block_size) - b.np_nblocks[slots]
+    return int(np.maximum(need, 0).sum())
 
 
 def _running_rank(now: float, r: Request) -> tuple[int, bool, float]:

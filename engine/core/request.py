@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,17 +93,20 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
-    slo: SLO = field(default_factory=SLO)
+    slo: SLO = field(default_factory=SLO)  # fixed once it runs (RunningBatch keeps its TBT SLO)
     priority: int = 0  # higher = more important: the class's unless the request gave its own
     slo_class: str = DEFAULT_SLO_CLASS
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # num_computed_tokens, num_pending_tokens, last_step, step_before_last: properties below.
+    # num_computed_tokens, num_pending_tokens, last_step, step_before_last, t_last_token and
+    # max_gap_s: properties below.
     _num_computed_tokens: int = field(default=0, init=False, repr=False)
     _num_pending_tokens: int = field(default=0, init=False, repr=False)
     _last_step: int = field(default=0, init=False, repr=False)
     _step_before_last: int = field(default=0, init=False, repr=False)
+    _t_last_token: float | None = field(default=None, init=False, repr=False)
+    _max_gap_s: float = field(default=0.0, init=False, repr=False)
     _batch: RunningBatch | None = field(default=None, init=False, repr=False)  # while it runs
     _slot: int = field(default=-1, init=False, repr=False)
     block_ids: list[int] = field(default_factory=list)  # GPU block table; plans share it, so it is replaced, not grown
@@ -114,10 +118,8 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     t_first_token: float | None = None
-    t_last_token: float | None = None
     t_run: float | None = None  # last time it entered RUNNING
     token_gaps: list[float] = field(default_factory=list)  # seconds between its output tokens
-    max_gap_s: float = 0.0  # the longest of them (checked every step, so kept, not recomputed)
     t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
     token_ids: list[int] = field(init=False)  # prompt, then output
     # Tokens at which it ends by length: max_tokens out, or the context length once the scheduler
@@ -190,6 +192,37 @@ class Request:
             self._step_before_last = value
         else:
             batch.prev_step[self._slot] = value
+
+    @property
+    def t_last_token(self) -> float | None:
+        """When its newest token came out."""
+        batch = self._batch
+        if batch is None:
+            return self._t_last_token
+        t = batch.t_last[self._slot]
+        return None if t != t else t  # NaN: none yet
+
+    @t_last_token.setter
+    def t_last_token(self, value: float | None) -> None:
+        batch = self._batch
+        if batch is None:
+            self._t_last_token = value
+        else:
+            batch.t_last[self._slot] = math.nan if value is None else value
+
+    @property
+    def max_gap_s(self) -> float:
+        """The longest of its token gaps (checked every step, so kept, not recomputed)."""
+        batch = self._batch
+        return self._max_gap_s if batch is None else batch.max_gap[self._slot]
+
+    @max_gap_s.setter
+    def max_gap_s(self, value: float) -> None:
+        batch = self._batch
+        if batch is None:
+            self._max_gap_s = value
+        else:
+            batch.max_gap[self._slot] = value
 
     @property
     def num_tokens(self) -> int:

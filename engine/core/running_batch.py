@@ -1,12 +1,13 @@
 """The running requests' per-step counters in columns: what vLLM v1 calls its persistent batch.
 
 A running request owns a slot. While it runs, its counters that change every step
-(`num_computed_tokens`, `num_pending_tokens`, `last_step`, `step_before_last`) live in the
-slot, not in the Request: the Request's properties read and write the slot, and the scheduler
-serves thousands of plain decodes with a few vector operations instead of a Python loop over
-them. The batch also mirrors what the decode path reads of each request (its token count and
-newest token, its block count, its length limit, whether it is a plain decode), kept current by
-the scheduler. When the request stops running, its counters go back into the Request.
+(`num_computed_tokens`, `num_pending_tokens`, `last_step`, `step_before_last`, `t_last_token`,
+`max_gap_s`) live in the slot, not in the Request: the Request's properties read and write the
+slot, and the scheduler serves thousands of plain decodes with a few vector operations instead of
+a Python loop over them. The batch also mirrors what the decode path reads of each request (its
+token count and newest token, block count, length limit, TBT SLO, stop tokens, whether it is a
+plain decode), kept current by the scheduler. When the request stops running, its counters go
+back into the Request.
 
 A slot freed and handed to another request gets a new generation: a plan made before that
 (async scheduling) names its rows by slot and generation, so its update finds which rows still
@@ -15,6 +16,7 @@ belong to the same running request.
 
 from __future__ import annotations
 
+import math
 from array import array
 from itertools import repeat
 
@@ -28,11 +30,15 @@ _COLUMNS = {
     "pending": "q",
     "last_step": "q",
     "prev_step": "q",
+    "t_last": "d",  # NaN: no token yet
+    "max_gap": "d",
     "num_tokens": "q",  # len(token_ids)
     "last_token": "q",  # token_ids[-1]
     "nblocks": "q",  # len(block_ids)
     "limit": "q",  # length_limit
     "plain": "b",  # no min_tokens: a decode row of it samples with nothing banned
+    "tbt_ms": "d",  # its TBT SLO
+    "many_stops": "b",  # more stop tokens than stop_ids holds
     "gen": "q",  # bumped each time the slot is freed
 }
 _OWNED = {
@@ -40,7 +46,10 @@ _OWNED = {
     "pending": "_num_pending_tokens",
     "last_step": "_last_step",
     "prev_step": "_step_before_last",
+    "max_gap": "_max_gap_s",
 }
+_DTYPES = {"q": np.int64, "d": np.float64, "b": np.int8}
+STOP_IDS = 4  # stop tokens per slot in `stop_ids` (EOS ids, stop_token_ids), -1 padded
 
 
 class RunningBatch:
@@ -57,18 +66,26 @@ class RunningBatch:
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
+        stop_ids = np.full((capacity, STOP_IDS), -1, dtype=np.int64)
+        if self.capacity:
+            stop_ids[: self.capacity] = self.stop_ids
+        self.stop_ids = stop_ids
         for name, code in _COLUMNS.items():
             old = getattr(self, name, array(code))
             new = array(code, old)  # a copy: numpy views of the old one may still exist
             new.extend(repeat(0, capacity - len(old)))
             setattr(self, name, new)
-            setattr(self, f"np_{name}", np.frombuffer(new, dtype=np.int8 if code == "b" else np.int64))
+            setattr(self, f"np_{name}", np.frombuffer(new, dtype=_DTYPES[code]))
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))  # lowest slot first
         self.requests.extend(repeat(None, capacity - self.capacity))
         self.capacity = capacity
 
     def __len__(self) -> int:
         return len(self.order)
+
+    def stops(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Whether each token is in its slot's stop tokens, or may be (more of them than kept)."""
+        return (self.stop_ids[slots] == tokens[:, None]).any(axis=1) | (self.np_many_stops[slots] != 0)
 
     def add(self, req: Request) -> None:
         """The request starts running (last in running order): its counters move into a slot."""
@@ -77,11 +94,17 @@ class RunningBatch:
         slot = self.free_slots.pop()
         for column, attr in _OWNED.items():
             getattr(self, column)[slot] = getattr(req, attr)
+        t_last = req._t_last_token
+        self.t_last[slot] = math.nan if t_last is None else t_last
         self.num_tokens[slot] = len(req.token_ids)
         self.last_token[slot] = req.token_ids[-1]
         self.nblocks[slot] = len(req.block_ids)
         self.limit[slot] = req.length_limit
         self.plain[slot] = not req.sampling.min_tokens
+        self.tbt_ms[slot] = req.slo.tbt_ms
+        stops = sorted(req.stop_token_set)
+        self.many_stops[slot] = len(stops) > STOP_IDS
+        self.stop_ids[slot] = (stops + [-1] * STOP_IDS)[:STOP_IDS]
         self.requests[slot] = req
         req._batch, req._slot = self, slot
         self.order = np.append(self.order, slot)
@@ -91,6 +114,8 @@ class RunningBatch:
         slot = req._slot
         for column, attr in _OWNED.items():
             setattr(req, attr, getattr(self, column)[slot])
+        t_last = self.t_last[slot]
+        req._t_last_token = None if t_last != t_last else t_last
         req._batch, req._slot = None, -1
         self.requests[slot] = None
         self.gen[slot] += 1

@@ -97,6 +97,7 @@ class _Submitted:
     decoded: list[Request]  # the request of each decode row
     decode_slots: np.ndarray  # their RunningBatch slots and the slots' generations when planned
     decode_gens: np.ndarray
+    fill_rows: list[int]  # the decode rows that fill a block
     planned_at: float
     shape: StepShape
 
@@ -114,6 +115,7 @@ class _Step:
     # Plain decodes, in rows: their token and position now, the other columns once planned.
     decoded: list[Request] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
+    fill_rows: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
     decode_starts: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -275,7 +277,9 @@ class Scheduler:
         )
         shape = StepShape(plan.num_tokens, plan.num_context_tokens)
         slots = np.array(step.decode_slots, dtype=np.int64)
-        self._submitted[step.id] = _Submitted(step.requests, decoded, slots, self.batch.np_gen[slots], step.now, shape)
+        self._submitted[step.id] = _Submitted(
+            step.requests, decoded, slots, self.batch.np_gen[slots], step.fill_rows, step.now, shape
+        )
         return plan
 
     def _serve_running(self, step: _Step) -> None:
@@ -330,19 +334,21 @@ class Scheduler:
         b.np_pending[rows] = was_pending + 1
         row_slots = rows.tolist()
         reqs = [b.requests[slot] for slot in row_slots]
+        fills = np.flatnonzero((starts + 1) % bs == 0)
+        step.fill_rows += (fills + len(step.decoded)).tolist()
         step.decoded += reqs
         step.decode_slots += row_slots
         step.decode_tokens += np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows]).tolist()
         step.decode_starts += starts.tolist()
         step.budget = budget - len(row_slots)
         if step.writes_through:
-            self._track_filled_rows(rows, reqs, starts, step)
+            self._track_filled_rows(rows, reqs, fills, step)
         return i + end
 
-    def _track_filled_rows(self, rows: np.ndarray, reqs: list[Request], starts: np.ndarray, step: _Step) -> None:
-        """_track_filled of the decode rows in batch slots `rows` (requests `reqs`, computing token
-        `starts[k]` each): only the unwritten requests among them and the rows that fill a block
-        are looked at."""
+    def _track_filled_rows(self, rows: np.ndarray, reqs: list[Request], fills: np.ndarray, step: _Step) -> None:
+        """_track_filled of the decode rows in batch slots `rows` (requests `reqs`; rows `fills`
+        fill a block): only the unwritten requests among them and the rows that fill a block are
+        looked at."""
         b, unwritten = self.batch, self._unwritten
         if unwritten:
             in_rows = np.zeros(b.capacity, dtype=bool)
@@ -350,7 +356,7 @@ class Scheduler:
             for req in unwritten:
                 if req._batch is b and in_rows[req._slot]:
                     step.start_pos[req.request_id] = b.computed[req._slot] - 1
-        for k in np.flatnonzero((starts + 1) % self.kv.block_size == 0).tolist():
+        for k in fills.tolist():
             if reqs[k] not in unwritten:
                 step.filled.append(reqs[k])
 
@@ -493,8 +499,9 @@ class Scheduler:
         reqs = submitted.decoded
         if not reqs:
             return []
-        b, bs = self.batch, self.kv.block_size
-        tokens = list(map(sampled.__getitem__, rows.request_ids))
+        b = self.batch
+        token_array = np.fromiter(map(sampled.__getitem__, rows.request_ids), dtype=np.int64, count=len(reqs))
+        tokens = token_array.tolist()
         in_slot = b.np_gen[submitted.decode_slots] == submitted.decode_gens
         everyone = bool(in_slot.all())
         keep = None if everyone else in_slot.tolist()
@@ -503,44 +510,42 @@ class Scheduler:
         slots = submitted.decode_slots[in_slot]
         b.np_pending[slots] -= 1
         b.np_num_tokens[slots] += 1
-        b.np_last_token[slots] = live_tokens
+        live_array = token_array if keep is None else token_array[in_slot]
+        b.np_last_token[slots] = live_array
         deque(map(list.append, [r.output_token_ids for r in live], live_tokens), maxlen=0)
         deque(map(list.append, [r.token_ids for r in live], live_tokens), maxlen=0)
-        for req in live:  # running: its TBT cannot be lost while rotated out (Request.tbt_missed)
-            t_last = req.t_last_token
-            if t_last is None:
-                req.t_first_token = now
-            else:
-                gap = now - t_last
-                req.token_gaps.append(gap)
-                if gap > req.max_gap_s:
-                    req.max_gap_s = gap
-            req.t_last_token = now
-        stops = np.fromiter(
-            map(frozenset.__contains__, [r.stop_token_set for r in live], live_tokens), dtype=bool, count=len(live)
-        )
-        stops |= b.np_num_tokens[slots] >= b.np_limit[slots]
-        events = ~in_slot
-        events[in_slot] = stops
-        starts = np.array(rows.start_pos, dtype=np.int64)
-        fills = (starts + 1) % bs == 0
+        t_prev = b.np_t_last[slots]  # NaN: its first token
+        gaps = now - t_prev
+        timed = ~np.isnan(t_prev)
+        if timed.all():
+            deque(map(list.append, [r.token_gaps for r in live], gaps.tolist()), maxlen=0)
+        else:
+            for k in np.flatnonzero(~timed).tolist():
+                live[k].t_first_token = now
+            gap_lists = [r.token_gaps for r in compress(live, timed.tolist())]
+            deque(map(list.append, gap_lists, gaps[timed].tolist()), maxlen=0)
+        # Running, so its TBT cannot be lost now (that is checked for the rotary: Request.tbt_missed).
+        b.np_max_gap[slots] = np.fmax(b.np_max_gap[slots], gaps)
+        b.np_t_last[slots] = now
+        may_stop = np.zeros(len(reqs), dtype=bool)
+        may_stop[in_slot] = b.stops(slots, live_array) | (b.np_num_tokens[slots] >= b.np_limit[slots])
+        fills = np.zeros(len(reqs), dtype=bool)
         if self.kv.enable_prefix_caching:
-            events |= fills
+            fills[submitted.fill_rows] = True
         dropped = []
-        for k in np.flatnonzero(events).tolist():
+        for k in np.flatnonzero(may_stop | fills | ~in_slot).tolist():
             req, start = reqs[k], rows.start_pos[k]
             if in_slot[k]:
-                if fills[k] and self.kv.enable_prefix_caching:
-                    self.kv.commit_full_blocks(req, start, start + 1)
-                reason = req.stop_reason()
-                if reason is not None:
+                if fills[k]:
+                    self.kv.commit_block(req, start // self.kv.block_size)
+                if may_stop[k] and (reason := req.stop_reason()) is not None:
                     self._finish(req, reason)
                 continue
             req.num_pending_tokens -= 1
             if req.status is RequestStatus.FINISHED:
                 dropped.append(k)
                 continue
-            if fills[k] and self.kv.enable_prefix_caching and req.status is RequestStatus.RUNNING:
+            if fills[k] and req.status is RequestStatus.RUNNING:
                 self.kv.commit_full_blocks(req, start, start + 1)
             self._apply_token(req, tokens[k], now)
         if dropped:
@@ -571,6 +576,8 @@ class Scheduler:
         if n == 1 and sample and not req.sampling.min_tokens:  # a decode row (see DecodeRows)
             step.decode_tokens.append(token_ids[0])
             step.decode_starts.append(start)
+            if end % self.kv.block_size == 0:
+                step.fill_rows.append(len(step.decoded))
             step.decoded.append(req)
             step.decode_slots.append(req._slot)
         else:
