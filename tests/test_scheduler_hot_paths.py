@@ -301,6 +301,7 @@ def check_running_batch(s: Scheduler) -> None:
         assert b.requests[slot] is r
         mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.limit[slot], b.tbt_ms[slot])
         assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), r.length_limit, r.slo.tbt_ms)
+        assert (b.priority[slot], b.t_run[slot]) == (r.priority, r.t_run)
     assert all(r._batch is None for r in [*s.waiting, *s.rotary])
 
 

@@ -19,7 +19,6 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -122,9 +121,6 @@ class TBTGuard:
     residency_s: float  # how long a request may stay on the GPU while others wait their turn
 
 
-_token_ids = attrgetter("token_ids")
-
-
 def _live_stats(
     groups: Iterable[Iterable[Request]], headroom: float, running: RunningBatch
 ) -> tuple[int, int, float, float]:
@@ -196,7 +192,8 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
         allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
-    budget = model.tokens_within(step_s, sum(map(len, map(_token_ids, sched.running))))
+    b = sched.batch
+    budget = model.tokens_within(step_s, int(b.np_num_tokens[b.order].sum()))
     residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
     return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
 
@@ -209,9 +206,13 @@ def _growth_blocks(sched: Scheduler) -> int:
     return int(np.maximum(need, 0).sum())
 
 
-def _running_rank(now: float, r: Request) -> tuple[int, bool, float]:
-    """A running request's ranking key, (-priority, r.tbt_missed, -VLT), inlined: they are many."""
-    return -r.priority, r.max_gap_s * 1000.0 > r.slo.tbt_ms, now - (r.t_run if r.t_run is not None else now)
+def _running_worst_first(running: RunningBatch, now: float) -> list[Request]:
+    """The running requests ranked by (-priority, tbt_missed, -VLT), worst first (the reverse of
+    a stable sort), in columns: they are many."""
+    slots = running.order
+    missed = running.np_max_gap[slots] * 1000.0 > running.np_tbt_ms[slots]
+    order = np.lexsort((now - running.np_t_run[slots], missed, -running.np_priority[slots]))
+    return [running.requests[slot] for slot in slots[order[::-1]].tolist()]
 
 
 def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:
@@ -283,7 +284,7 @@ class RotaryPolicy:
         to_free = p.transfer_budget_blocks - left
         rotate_out = []
         if to_free > 0:
-            for r in reversed(sorted(sched.running, key=partial(_running_rank, now))):
+            for r in _running_worst_first(sched.batch, now):
                 if to_free <= 0:
                     break
                 if self._may_rotate_out(sched, r, now, residency):

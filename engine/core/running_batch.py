@@ -38,6 +38,8 @@ _COLUMNS = {
     "limit": "q",  # length_limit
     "plain": "b",  # no min_tokens: a decode row of it samples with nothing banned
     "tbt_ms": "d",  # its TBT SLO
+    "priority": "q",
+    "t_run": "d",  # when it started running
     "many_stops": "b",  # more stop tokens than stop_ids holds
     "gen": "q",  # bumped each time the slot is freed
 }
@@ -48,7 +50,7 @@ _OWNED = {
     "prev_step": "_step_before_last",
     "max_gap": "_max_gap_s",
 }
-_DTYPES = {"q": np.int64, "d": np.float64, "b": np.int8}
+_DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 STOP_IDS = 4  # stop tokens per slot in `stop_ids` (EOS ids, stop_token_ids), -1 padded
 
 
@@ -85,7 +87,7 @@ class RunningBatch:
 
     def stops(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Whether each token is in its slot's stop tokens, or may be (more of them than kept)."""
-        return (self.stop_ids[slots] == tokens[:, None]).any(axis=1) | (self.np_many_stops[slots] != 0)
+        return (self.stop_ids[slots] == tokens[:, None]).any(axis=1) | self.np_many_stops[slots]
 
     def add(self, req: Request) -> None:
         """The request starts running (last in running order): its counters move into a slot."""
@@ -102,6 +104,8 @@ class RunningBatch:
         self.limit[slot] = req.length_limit
         self.plain[slot] = not req.sampling.min_tokens
         self.tbt_ms[slot] = req.slo.tbt_ms
+        self.priority[slot] = req.priority
+        self.t_run[slot] = req.t_run
         stops = sorted(req.stop_token_set)
         self.many_stops[slot] = len(stops) > STOP_IDS
         self.stop_ids[slot] = (stops + [-1] * STOP_IDS)[:STOP_IDS]

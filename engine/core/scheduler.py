@@ -310,20 +310,25 @@ class Scheduler:
         slots = b.order[i:]
         if budget <= 0 or not len(slots):
             return i
-        bs = self.kv.block_size
+        bs, free = self.kv.block_size, self.kv.num_free_blocks
         computed, pending = b.np_computed[slots], b.np_pending[slots]
         total = b.np_num_tokens[slots] + pending
         decode = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
-        stops = decode & ((total - computed != 1) | (b.np_plain[slots] == 0))
+        stops = decode & ((total - computed != 1) | ~b.np_plain[slots])
         needs_block = decode & (computed >= b.np_nblocks[slots] * bs)
-        blocks_taken = np.cumsum(needs_block)
-        stops |= blocks_taken > self.kv.num_free_blocks  # from the first one that finds no free block
-        end = int(np.argmax(stops)) if stops.any() else len(slots)
-        served = np.cumsum(decode[:end])
-        if end and served[-1] >= budget:
-            end = int(np.argmax(served >= budget)) + 1  # it spends the last of the budget
+        if np.count_nonzero(needs_block) > free:
+            stops |= np.cumsum(needs_block) > free  # from the first one that finds no free block
+        end = int(stops.argmax())
+        if not stops[end]:
+            end = len(slots)
         taken = decode[:end]
-        rows, starts, was_pending = slots[:end][taken], computed[:end][taken], pending[:end][taken]
+        if np.count_nonzero(taken) >= budget:  # the row that spends the last of it ends here
+            end = int(np.cumsum(taken).searchsorted(budget)) + 1
+            taken = decode[:end]
+        if end == len(slots) and taken.all():
+            rows, starts, was_pending = slots, computed, pending
+        else:
+            rows, starts, was_pending = slots[:end][taken], computed[:end][taken], pending[:end][taken]
         grow = slots[:end][needs_block[:end]]
         if len(grow):
             self.kv.add_block_each([b.requests[slot] for slot in grow.tolist()])
