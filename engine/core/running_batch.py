@@ -19,10 +19,12 @@ from __future__ import annotations
 import math
 from array import array
 from itertools import repeat
+from operator import itemgetter
+from typing import Any
 
 import numpy as np
 
-from superinfer.engine.core.request import Request
+from superinfer.engine.core.request import Request, SamplingParams
 
 # (column, array typecode): the Request counters first (their names in Request are in _OWNED).
 _COLUMNS = {
@@ -51,7 +53,7 @@ _OWNED = {
     "max_gap": "_max_gap_s",
 }
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
-STOP_IDS = 4  # stop tokens per slot in `stop_ids` (EOS ids, stop_token_ids), -1 padded
+STOP_IDS = 4  # stop tokens kept per slot (EOS ids, stop_token_ids) in `stop_ids[:, slot]`, -1 padded
 
 
 class RunningBatch:
@@ -61,16 +63,20 @@ class RunningBatch:
     under a numpy view of the same memory (`np_<column>`: the vector operations)."""
 
     def __init__(self, capacity: int = 64) -> None:
+        # By slot too: each running request, and what its plan rows share with it.
         self.requests: list[Request | None] = []
+        self.request_ids: list[str | None] = []
+        self.samplings: list[SamplingParams | None] = []
+        self.prompts: list[list[int] | None] = []
         self.free_slots: list[int] = []
         self.order = np.empty(0, dtype=np.int64)
         self.capacity = 0
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
-        stop_ids = np.full((capacity, STOP_IDS), -1, dtype=np.int64)
+        stop_ids = np.full((STOP_IDS, capacity), -1, dtype=np.int64)
         if self.capacity:
-            stop_ids[: self.capacity] = self.stop_ids
+            stop_ids[:, : self.capacity] = self.stop_ids
         self.stop_ids = stop_ids
         for name, code in _COLUMNS.items():
             old = getattr(self, name, array(code))
@@ -79,7 +85,8 @@ class RunningBatch:
             setattr(self, name, new)
             setattr(self, f"np_{name}", np.frombuffer(new, dtype=_DTYPES[code]))
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))  # lowest slot first
-        self.requests.extend(repeat(None, capacity - self.capacity))
+        for column in (self.requests, self.request_ids, self.samplings, self.prompts):
+            column.extend(repeat(None, capacity - self.capacity))
         self.capacity = capacity
 
     def __len__(self) -> int:
@@ -87,7 +94,10 @@ class RunningBatch:
 
     def stops(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Whether each token is in its slot's stop tokens, or may be (more of them than kept)."""
-        return (self.stop_ids[slots] == tokens[:, None]).any(axis=1) | self.np_many_stops[slots]
+        found = self.np_many_stops[slots]
+        for hits in self.stop_ids.take(slots, axis=1) == tokens:  # (an `any` over axis 0 is slower)
+            found |= hits
+        return found
 
     def add(self, req: Request) -> None:
         """The request starts running (last in running order): its counters move into a slot."""
@@ -108,8 +118,9 @@ class RunningBatch:
         self.t_run[slot] = req.t_run
         stops = sorted(req.stop_token_set)
         self.many_stops[slot] = len(stops) > STOP_IDS
-        self.stop_ids[slot] = (stops + [-1] * STOP_IDS)[:STOP_IDS]
-        self.requests[slot] = req
+        self.stop_ids[:, slot] = (stops + [-1] * STOP_IDS)[:STOP_IDS]
+        self.requests[slot], self.request_ids[slot] = req, req.request_id
+        self.samplings[slot], self.prompts[slot] = req.sampling, req.prompt_token_ids
         req._batch, req._slot = self, slot
         self.order = np.append(self.order, slot)
 
@@ -121,7 +132,12 @@ class RunningBatch:
         t_last = self.t_last[slot]
         req._t_last_token = None if t_last != t_last else t_last
         req._batch, req._slot = None, -1
-        self.requests[slot] = None
+        self.requests[slot] = self.request_ids[slot] = self.samplings[slot] = self.prompts[slot] = None
         self.gen[slot] += 1
         self.free_slots.append(slot)
         self.order = self.order[self.order != slot]
+
+
+def pick(column: list[Any], slots: list[int]) -> list[Any]:
+    """column[slot] for each slot, in one C call."""
+    return list(itemgetter(*slots)(column)) if len(slots) > 1 else [column[slot] for slot in slots]

@@ -34,7 +34,7 @@ from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
-from superinfer.engine.core.running_batch import RunningBatch
+from superinfer.engine.core.running_batch import RunningBatch, pick
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 
 _arrival = attrgetter("arrival_time")
@@ -112,8 +112,7 @@ class _Step:
     transfer_left: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)  # the request of each seq
-    # Plain decodes, in rows: their token and position now, the other columns once planned.
-    decoded: list[Request] = field(default_factory=list)
+    # Plain decodes, in rows: their batch slot, token and position now, the other columns once planned.
     decode_slots: list[int] = field(default_factory=list)
     fill_rows: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
@@ -255,17 +254,18 @@ class Scheduler:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran
         released, self._released = self._released, []
-        decoded = step.decoded
+        b, slots = self.batch, step.decode_slots
+        decoded = pick(b.requests, slots)
         plan = StepPlan(
             step_id=step.id,
             seqs=step.seqs,
             decodes=DecodeRows(
-                [r.request_id for r in decoded],
+                pick(b.request_ids, slots),
                 step.decode_tokens,
                 step.decode_starts,
                 [r.block_ids for r in decoded],
-                [r.sampling for r in decoded],
-                [r.prompt_token_ids for r in decoded],
+                pick(b.samplings, slots),
+                pick(b.prompts, slots),
             ),
             swap_out=step.swap_out,
             swap_in=step.swap_in,
@@ -276,9 +276,9 @@ class Scheduler:
             released=released,
         )
         shape = StepShape(plan.num_tokens, plan.num_context_tokens)
-        slots = np.array(step.decode_slots, dtype=np.int64)
+        slot_array = np.array(slots, dtype=np.int64)
         self._submitted[step.id] = _Submitted(
-            step.requests, decoded, slots, self.batch.np_gen[slots], step.fill_rows, step.now, shape
+            step.requests, decoded, slot_array, b.np_gen[slot_array], step.fill_rows, step.now, shape
         )
         return plan
 
@@ -338,22 +338,19 @@ class Scheduler:
         b.np_last_step[rows] = step.id
         b.np_pending[rows] = was_pending + 1
         row_slots = rows.tolist()
-        reqs = [b.requests[slot] for slot in row_slots]
         fills = np.flatnonzero((starts + 1) % bs == 0)
-        step.fill_rows += (fills + len(step.decoded)).tolist()
-        step.decoded += reqs
+        step.fill_rows += (fills + len(step.decode_slots)).tolist()
         step.decode_slots += row_slots
         step.decode_tokens += np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows]).tolist()
         step.decode_starts += starts.tolist()
         step.budget = budget - len(row_slots)
         if step.writes_through:
-            self._track_filled_rows(rows, reqs, fills, step)
+            self._track_filled_rows(rows, fills, step)
         return i + end
 
-    def _track_filled_rows(self, rows: np.ndarray, reqs: list[Request], fills: np.ndarray, step: _Step) -> None:
-        """_track_filled of the decode rows in batch slots `rows` (requests `reqs`; rows `fills`
-        fill a block): only the unwritten requests among them and the rows that fill a block are
-        looked at."""
+    def _track_filled_rows(self, rows: np.ndarray, fills: np.ndarray, step: _Step) -> None:
+        """_track_filled of the decode rows in batch slots `rows` (the rows `fills` fill a block):
+        only the unwritten requests among them and the rows that fill a block are looked at."""
         b, unwritten = self.batch, self._unwritten
         if unwritten:
             in_rows = np.zeros(b.capacity, dtype=bool)
@@ -361,9 +358,9 @@ class Scheduler:
             for req in unwritten:
                 if req._batch is b and in_rows[req._slot]:
                     step.start_pos[req.request_id] = b.computed[req._slot] - 1
-        for k in fills.tolist():
-            if reqs[k] not in unwritten:
-                step.filled.append(reqs[k])
+        for slot in rows[fills].tolist():
+            if b.requests[slot] not in unwritten:
+                step.filled.append(b.requests[slot])
 
     def _admit_patient(self, requests: list[Request], step: _Step) -> None:
         """Admit the patient requests into what is left, best first, without looking at the
@@ -582,8 +579,7 @@ class Scheduler:
             step.decode_tokens.append(token_ids[0])
             step.decode_starts.append(start)
             if end % self.kv.block_size == 0:
-                step.fill_rows.append(len(step.decoded))
-            step.decoded.append(req)
+                step.fill_rows.append(len(step.decode_slots))
             step.decode_slots.append(req._slot)
         else:
             banned = req.banned_token_ids() if sample and req.sampling.min_tokens else ()
