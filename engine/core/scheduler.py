@@ -300,12 +300,13 @@ class Scheduler:
             i = self._serve_decodes(i, step)
 
     def _serve_decodes(self, i: int, step: _Step) -> int:
-        """Serve running[i:] while they are plain decodes (one token, a block for it, nothing to
-        ban), as decode rows, skipping those whose pending token ends them; returns where it
-        stopped (a prefill chunk, a decode under min_tokens, no free block, or the token budget
-        spent: the general path takes it, and evicts). The bulk of a step with thousands of
-        running requests: vector operations over the running batch's columns, the row that stops
-        them found first; the rows that begin a block get theirs in one allocation."""
+        """Serve running[i:] while they are decodes (one token, and a block for it), skipping
+        those whose pending token ends them; returns where it stopped (a prefill chunk, no free
+        block, or the token budget spent: the general path takes it, and evicts). The bulk of a
+        step with thousands of running requests: vector operations over the running batch's
+        columns, the row that stops them found first; the rows that begin a block get theirs in
+        one allocation. Plain decodes become decode rows; one under min_tokens (tokens to ban) a
+        ScheduledSeq of its own, so they do not stop the scan."""
         b, budget = self.batch, step.budget
         slots = b.order[i:]
         if budget <= 0 or not len(slots):
@@ -314,7 +315,7 @@ class Scheduler:
         computed, pending = b.np_computed[slots], b.np_pending[slots]
         total = b.np_num_tokens[slots] + pending
         decode = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
-        stops = decode & ((total - computed != 1) | ~b.np_plain[slots])
+        stops = decode & (total - computed != 1)
         needs_block = decode & (computed >= b.np_nblocks[slots] * bs)
         if np.count_nonzero(needs_block) > free:
             stops |= np.cumsum(needs_block) > free  # from the first one that finds no free block
@@ -333,32 +334,52 @@ class Scheduler:
         if len(grow):
             self.kv.add_block_each([b.requests[slot] for slot in grow.tolist()])
             b.np_nblocks[grow] += 1
+        tokens = np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows])
+        if step.writes_through:
+            self._track_filled_rows(rows, starts, step)
+        plain = b.np_plain[rows]
+        if not plain.all():
+            self._banned_rows(rows[~plain], starts[~plain], tokens[~plain], step)
+            rows, starts, tokens = rows[plain], starts[plain], tokens[plain]
         b.np_computed[rows] = starts + 1
         b.np_prev_step[rows] = b.np_last_step[rows]
         b.np_last_step[rows] = step.id
-        b.np_pending[rows] = was_pending + 1
-        row_slots = rows.tolist()
-        fills = np.flatnonzero((starts + 1) % bs == 0)
-        step.fill_rows += (fills + len(step.decode_slots)).tolist()
-        step.decode_slots += row_slots
-        step.decode_tokens += np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows]).tolist()
+        b.np_pending[rows] += 1
+        step.fill_rows += (np.flatnonzero((starts + 1) % bs == 0) + len(step.decode_slots)).tolist()
+        step.decode_slots += rows.tolist()
+        step.decode_tokens += tokens.tolist()
         step.decode_starts += starts.tolist()
-        step.budget = budget - len(row_slots)
-        if step.writes_through:
-            self._track_filled_rows(rows, fills, step)
+        step.budget = budget - int(np.count_nonzero(taken))
         return i + end
 
-    def _track_filled_rows(self, rows: np.ndarray, fills: np.ndarray, step: _Step) -> None:
-        """_track_filled of the decode rows in batch slots `rows` (the rows `fills` fill a block):
+    def _banned_rows(self, rows: np.ndarray, starts: np.ndarray, tokens: np.ndarray, step: _Step) -> None:
+        """The decodes under min_tokens among a scan's rows: a ScheduledSeq each, with the
+        tokens it may not sample yet (as _take does)."""
+        b = self.batch
+        for slot, start, token in zip(rows.tolist(), starts.tolist(), tokens.tolist(), strict=True):
+            req = b.requests[slot]
+            banned = req.banned_token_ids()  # before its pending token is counted
+            b.computed[slot] = start + 1
+            b.prev_step[slot], b.last_step[slot] = b.last_step[slot], step.id
+            b.pending[slot] += 1
+            step.seqs.append(
+                ScheduledSeq(
+                    req.request_id, [token], start, req.block_ids, True, req.sampling, banned, req.prompt_token_ids
+                )
+            )
+            step.requests.append(req)
+
+    def _track_filled_rows(self, rows: np.ndarray, starts: np.ndarray, step: _Step) -> None:
+        """_track_filled of the decodes in batch slots `rows`, computing token `starts[k]` each:
         only the unwritten requests among them and the rows that fill a block are looked at."""
         b, unwritten = self.batch, self._unwritten
         if unwritten:
-            in_rows = np.zeros(b.capacity, dtype=bool)
-            in_rows[rows] = True
+            start_of = np.full(b.capacity, -1, dtype=np.int64)
+            start_of[rows] = starts
             for req in unwritten:
-                if req._batch is b and in_rows[req._slot]:
-                    step.start_pos[req.request_id] = b.computed[req._slot] - 1
-        for slot in rows[fills].tolist():
+                if req._batch is b and (start := start_of[req._slot]) >= 0:
+                    step.start_pos[req.request_id] = int(start)
+        for slot in rows[(starts + 1) % self.kv.block_size == 0].tolist():
             if b.requests[slot] not in unwritten:
                 step.filled.append(b.requests[slot])
 
