@@ -345,7 +345,6 @@ class Scheduler:
             live &= ~gone
             needs_block &= ~gone
             pos = short + 1
-        end = min(end, len(slots))
         taken = live[:end]
         self._take_decodes(slots[:end][taken], computed[:end][taken], pending[:end][taken], step)
         return i + end - int(np.count_nonzero(gone[:end]))
