@@ -283,78 +283,57 @@ class Scheduler:
         return plan
 
     def _serve_running(self, step: _Step) -> None:
-        running = self.running
+        running, kv = self.running, self.kv
         i = self._serve_decodes(0, step)
         while i < len(running) and step.budget > 0:
-            req = running[i]  # a prefill chunk
+            req = running[i]  # a prefill chunk, or a decode with no free block for it
             n = min(self.next_tokens(req), step.budget)
-            if self._make_room(req, n, i, step):
+            while not kv.allocate(req, n):
+                victim = self.policy.victim(self.running[i:], step.now)
+                self._evict(victim, step)
+                step.preempted = True
+                if victim is req:
+                    break
+            else:
                 self._take(req, n, step)
                 i += 1
             i = self._serve_decodes(i, step)
 
-    def _make_room(self, req: Request, n: int, i: int, step: _Step) -> bool:
-        """Blocks for running[i] (`req`) to compute `n` tokens, the policy's victims in
-        running[i:] evicted until they fit; False when `req` itself had to go."""
-        while not self.kv.allocate(req, n):
-            victim = self.policy.victim(self.running[i:], step.now)
-            self._evict(victim, step)
-            step.preempted = True
-            if victim is req:
-                return False
-        return True
-
     def _serve_decodes(self, i: int, step: _Step) -> int:
         """Serve running[i:] while they are decodes (one token, and a block for it), skipping
-        those whose pending token ends them; returns where it stopped (a prefill chunk, for the
-        general path, or the token budget spent). The bulk of a step with thousands of running
-        requests: vector operations over the running batch's columns. The rows that begin a
-        block get theirs in one allocation per run of rows the free blocks cover; at a row they
-        no longer cover, victims are evicted as the general path would (they are among the rows
-        after it, which the scan then skips). Plain decodes become decode rows; one under
-        min_tokens (tokens to ban) a ScheduledSeq of its own."""
+        those whose pending token ends them; returns where it stopped (a prefill chunk, no free
+        block, or the token budget spent: the general path takes it, and evicts). The bulk of a
+        step with thousands of running requests: vector operations over the running batch's
+        columns, the row that stops them found first; the rows that begin a block get theirs in
+        one allocation. Plain decodes become decode rows; one under min_tokens (tokens to ban) a
+        ScheduledSeq of its own, so they do not stop the scan."""
         b, budget = self.batch, step.budget
         slots = b.order[i:]
         if budget <= 0 or not len(slots):
             return i
-        bs = self.kv.block_size
+        bs, free = self.kv.block_size, self.kv.num_free_blocks
         computed, pending = b.np_computed[slots], b.np_pending[slots]
         total = b.np_num_tokens[slots] + pending
-        live = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
-        prefill = live & (total - computed != 1)
-        end = int(prefill.argmax()) if prefill.any() else len(slots)
-        needs_block = live & (computed >= b.np_nblocks[slots] * bs)
-        gens, gone = b.np_gen[slots], np.zeros(len(slots), dtype=bool)
-        pos = served = 0
-        while pos < end:
-            if served >= budget:
-                end = pos
-                break
-            if np.count_nonzero(live[pos:end]) >= budget - served:  # the row that spends the last of it ends the scan
-                end = pos + int(np.cumsum(live[pos:end]).searchsorted(budget - served)) + 1
-            need, free = needs_block[pos:end], self.kv.num_free_blocks
-            short = end if np.count_nonzero(need) <= free else pos + int((np.cumsum(need) > free).argmax())
-            self.kv.add_block_each([b.requests[slot] for slot in slots[pos:short][need[: short - pos]].tolist()])
-            served += int(np.count_nonzero(live[pos:short]))
-            if short == end:
-                break
-            # No free block for this one: evict as the general path does, then go on past it.
-            at = i + short - int(np.count_nonzero(gone[:short]))
-            served += self._make_room(b.requests[slots[short]], 1, at, step)
-            gone |= b.np_gen[slots] != gens
-            live &= ~gone
-            needs_block &= ~gone
-            pos = short + 1
-        taken = live[:end]
-        self._take_decodes(slots[:end][taken], computed[:end][taken], pending[:end][taken], step)
-        return i + end - int(np.count_nonzero(gone[:end]))
-
-    def _take_decodes(self, rows: np.ndarray, starts: np.ndarray, was_pending: np.ndarray, step: _Step) -> None:
-        """The scan's decodes, in batch slots `rows`, each computing token `starts[k]`, their
-        blocks already allocated: their counters and their rows in the plan."""
-        b, bs = self.batch, self.kv.block_size
-        step.budget -= len(rows)
-        b.np_nblocks[rows[starts >= b.np_nblocks[rows] * bs]] += 1
+        decode = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
+        stops = decode & (total - computed != 1)
+        needs_block = decode & (computed >= b.np_nblocks[slots] * bs)
+        if np.count_nonzero(needs_block) > free:
+            stops |= np.cumsum(needs_block) > free  # from the first one that finds no free block
+        end = int(stops.argmax())
+        if not stops[end]:
+            end = len(slots)
+        taken = decode[:end]
+        if np.count_nonzero(taken) >= budget:  # the row that spends the last of it ends here
+            end = int(np.cumsum(taken).searchsorted(budget)) + 1
+            taken = decode[:end]
+        if end == len(slots) and taken.all():
+            rows, starts, was_pending = slots, computed, pending
+        else:
+            rows, starts, was_pending = slots[:end][taken], computed[:end][taken], pending[:end][taken]
+        grow = slots[:end][needs_block[:end]]
+        if len(grow):
+            self.kv.add_block_each([b.requests[slot] for slot in grow.tolist()])
+            b.np_nblocks[grow] += 1
         tokens = np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows])
         if step.writes_through:
             self._track_filled_rows(rows, starts, step)
@@ -370,6 +349,8 @@ class Scheduler:
         step.decode_slots += rows.tolist()
         step.decode_tokens += tokens.tolist()
         step.decode_starts += starts.tolist()
+        step.budget = budget - int(np.count_nonzero(taken))
+        return i + end
 
     def _banned_rows(self, rows: np.ndarray, starts: np.ndarray, tokens: np.ndarray, step: _Step) -> None:
         """The decodes under min_tokens among a scan's rows: a ScheduledSeq each, with the
