@@ -569,7 +569,7 @@ class Scheduler:
                 dropped.append(k)
                 continue
             if fills[k] and req.status is RequestStatus.RUNNING:
-                self.kv.commit_full_blocks(req, start, start + 1)
+                self.kv.commit_block(req, start // self.kv.block_size)
             self._apply_token(req, tokens[k], now)
         if dropped:
             gone = set(dropped)
