@@ -38,7 +38,7 @@ from superinfer.engine.core.policies import (
     virtual_lag_time,
 )
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
+from superinfer.engine.core.scheduler import ROWS_PER_VECTOR, Scheduler, SchedulerConfig
 from superinfer.engine.core.step_time import StepShape
 from superinfer.engine.slo import SLO
 from tests.reference_scheduler import ReferenceScheduler
@@ -203,9 +203,9 @@ def state_digest(s: Scheduler) -> tuple:
 POLICIES = ["fcfs", "watermark", "rotary", "rotary-no-guard", "rotary-residency"]
 
 
-def run_both(seed: int) -> Scheduler:
+def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
     """Run trace `seed` through the scheduler and the reference, checking every step; returns the
-    scheduler."""
+    scheduler. `rows_per_vector` 0: every scan and update in columns, however few its rows."""
     rng = random.Random(seed)
     kind = POLICIES[seed % len(POLICIES)]
     bs, gpu_blocks = rng.choice([4, 8, 16]), rng.randint(8, 120)
@@ -222,6 +222,7 @@ def run_both(seed: int) -> Scheduler:
     clocks = Clock(), Clock()
     fast_policy, ref_policy = policy_pair(kind, gpu_blocks, xfer)
     fast = Scheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), fast_policy, clocks[0])
+    fast.rows_per_vector = rows_per_vector
     ref = ReferenceScheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), ref_policy, clocks[1])
     both = (fast, ref)
     in_flight_limit = rng.choice([0, 1])  # synchronous, or async scheduling (one step in flight)
@@ -308,9 +309,10 @@ def check_running_batch(s: Scheduler) -> None:
 SEEDS = range(40)
 
 
+@pytest.mark.parametrize("rows_per_vector", [0, ROWS_PER_VECTOR], ids=["columns", "rows-when-few"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_hot_paths_plan_what_the_reference_plans(seed):
-    run_both(seed)
+def test_hot_paths_plan_what_the_reference_plans(seed, rows_per_vector):
+    run_both(seed, rows_per_vector)
 
 
 def test_the_traces_reach_the_paths_that_matter(monkeypatch):

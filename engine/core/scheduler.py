@@ -41,6 +41,7 @@ _arrival = attrgetter("arrival_time")
 # Full blocks are written through to the CPU tier only while less than this share of the GPU pool
 # is free (or requests wait): see Scheduler._write_through.
 WRITE_THROUGH_FREE_SHARE = 0.5
+ROWS_PER_VECTOR = 48  # see Scheduler.rows_per_vector
 
 
 def _remove_sorted(requests: list[Request], req: Request) -> None:
@@ -145,6 +146,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.batch = RunningBatch()  # the running requests' counters, in running order
+        # Scans and updates of fewer rows go one row at a time: numpy's cost per call (a scan
+        # makes ~40 calls) exceeds the loop's below a few dozen rows.
+        self.rows_per_vector = ROWS_PER_VECTOR
         self.rotary: list[Request] = []  # in arrival order (rotated out earlier first on ties)
         # The same apart, in the same order, by whether their TBT SLO is lost (Request.tbt_missed):
         # under overload most are, and the rotary policy only looks at the others one by one.
@@ -311,6 +315,8 @@ class Scheduler:
         slots = b.order[i:]
         if budget <= 0 or not len(slots):
             return i
+        if len(slots) < self.rows_per_vector:
+            return self._serve_decodes_by_row(i, slots.tolist(), step)
         bs, free = self.kv.block_size, self.kv.num_free_blocks
         computed, pending = b.np_computed[slots], b.np_pending[slots]
         total = b.np_num_tokens[slots] + pending
@@ -339,7 +345,7 @@ class Scheduler:
             self._track_filled_rows(rows, starts, step)
         plain = b.np_plain[rows]
         if not plain.all():
-            self._banned_rows(rows[~plain], starts[~plain], tokens[~plain], step)
+            self._banned_rows(rows[~plain].tolist(), starts[~plain].tolist(), tokens[~plain].tolist(), step)
             rows, starts, tokens = rows[plain], starts[plain], tokens[plain]
         b.np_computed[rows] = starts + 1
         b.np_prev_step[rows] = b.np_last_step[rows]
@@ -352,11 +358,60 @@ class Scheduler:
         step.budget = budget - int(np.count_nonzero(taken))
         return i + end
 
-    def _banned_rows(self, rows: np.ndarray, starts: np.ndarray, tokens: np.ndarray, step: _Step) -> None:
+    def _serve_decodes_by_row(self, i: int, slots: list[int], step: _Step) -> int:
+        """_serve_decodes for the rows running[i:] in batch `slots`, one at a time."""
+        b, bs, budget = self.batch, self.kv.block_size, step.budget
+        computed, pending, num_tokens, nblocks = b.computed, b.pending, b.num_tokens, b.nblocks
+        free, grow, rows, starts, tokens = self.kv.num_free_blocks, [], [], [], []
+        for slot in slots:
+            start, waiting_for = computed[slot], pending[slot]
+            total = num_tokens[slot] + waiting_for
+            if waiting_for and total >= b.limit[slot]:
+                i += 1  # Request.ends_after_pending(): scheduling it again would only waste a step
+                continue
+            if total - start != 1:
+                break
+            if start >= nblocks[slot] * bs:
+                if not free:
+                    break
+                free -= 1
+                grow.append(slot)
+            rows.append(slot)
+            starts.append(start)
+            tokens.append(PLACEHOLDER if waiting_for else b.last_token[slot])
+            i += 1
+            budget -= 1
+            if budget <= 0:
+                break
+        if grow:
+            self.kv.add_block_each(pick(b.requests, grow))
+            for slot in grow:
+                nblocks[slot] += 1
+        step.budget = budget
+        banned = []
+        for slot, start, token in zip(rows, starts, tokens, strict=True):
+            if step.writes_through:
+                self._track_filled(b.requests[slot], start, start + 1, step)
+            if not b.plain[slot]:
+                banned.append((slot, start, token))
+                continue
+            computed[slot] = start + 1
+            b.prev_step[slot], b.last_step[slot] = b.last_step[slot], step.id
+            pending[slot] += 1
+            if (start + 1) % bs == 0:
+                step.fill_rows.append(len(step.decode_slots))
+            step.decode_slots.append(slot)
+            step.decode_tokens.append(token)
+            step.decode_starts.append(start)
+        if banned:
+            self._banned_rows(*map(list, zip(*banned, strict=True)), step)
+        return i
+
+    def _banned_rows(self, rows: list[int], starts: list[int], tokens: list[int], step: _Step) -> None:
         """The decodes under min_tokens among a scan's rows: a ScheduledSeq each, with the
         tokens it may not sample yet (as _take does)."""
         b = self.batch
-        for slot, start, token in zip(rows.tolist(), starts.tolist(), tokens.tolist(), strict=True):
+        for slot, start, token in zip(rows, starts, tokens, strict=True):
             req = b.requests[slot]
             banned = req.banned_token_ids()  # before its pending token is counted
             b.computed[slot] = start + 1
@@ -522,6 +577,11 @@ class Scheduler:
         reqs = submitted.decoded
         if not reqs:
             return []
+        if len(reqs) < self.rows_per_vector:
+            fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else set()
+            tokens = map(sampled.__getitem__, rows.request_ids)
+            rows_of = enumerate(zip(reqs, rows.start_pos, tokens, strict=True))
+            return [req for k, (req, start, token) in rows_of if self._apply_row(req, start, token, k in fills, now)]
         b = self.batch
         token_array = np.fromiter(map(sampled.__getitem__, rows.request_ids), dtype=np.int64, count=len(reqs))
         tokens = token_array.tolist()
@@ -564,17 +624,23 @@ class Scheduler:
                 if may_stop[k] and (reason := req.stop_reason()) is not None:
                     self._finish(req, reason)
                 continue
-            req.num_pending_tokens -= 1
-            if req.status is RequestStatus.FINISHED:
+            if not self._apply_row(req, start, tokens[k], bool(fills[k]), now):
                 dropped.append(k)
-                continue
-            if fills[k] and req.status is RequestStatus.RUNNING:
-                self.kv.commit_block(req, start // self.kv.block_size)
-            self._apply_token(req, tokens[k], now)
         if dropped:
             gone = set(dropped)
             return [r for k, r in enumerate(reqs) if k not in gone]
         return reqs
+
+    def _apply_row(self, req: Request, start: int, token: int, fills_block: bool, now: float) -> bool:
+        """One decode row's token, applied to its request (wherever it is now); False if the
+        request finished since the row was planned (the token is dropped)."""
+        req.num_pending_tokens -= 1
+        if req.status is RequestStatus.FINISHED:
+            return False
+        if fills_block and req.status is RequestStatus.RUNNING:
+            self.kv.commit_block(req, start // self.kv.block_size)
+        self._apply_token(req, token, now)
+        return True
 
     # --- helpers ---------------------------------------------------------------------------
     def _track_filled(self, req: Request, start: int, end: int, step: _Step) -> None:
