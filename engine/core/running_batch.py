@@ -89,9 +89,6 @@ class RunningBatch:
             column.extend(repeat(None, capacity - self.capacity))
         self.capacity = capacity
 
-    def __len__(self) -> int:
-        return len(self.order)
-
     def stops(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Whether each token is in its slot's stop tokens, or may be (more of them than kept)."""
         found = self.np_many_stops[slots]

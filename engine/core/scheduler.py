@@ -129,6 +129,14 @@ class _Step:
     start_pos: dict[str, int] = field(default_factory=dict)
     filled: list[Request] = field(default_factory=list)  # a block of theirs fills in this step
 
+    def add_decode_row(self, slot: int, token: int, start: int, block_size: int) -> None:
+        """A plain decode of the request in batch `slot`: feed `token` at position `start`."""
+        if (start + 1) % block_size == 0:
+            self.fill_rows.append(len(self.decode_slots))
+        self.decode_slots.append(slot)
+        self.decode_tokens.append(token)
+        self.decode_starts.append(start)
+
 
 class Scheduler:
     def __init__(
@@ -398,11 +406,7 @@ class Scheduler:
             computed[slot] = start + 1
             b.prev_step[slot], b.last_step[slot] = b.last_step[slot], step.id
             pending[slot] += 1
-            if (start + 1) % bs == 0:
-                step.fill_rows.append(len(step.decode_slots))
-            step.decode_slots.append(slot)
-            step.decode_tokens.append(token)
-            step.decode_starts.append(start)
+            step.add_decode_row(slot, token, start, bs)
         if banned:
             self._banned_rows(*map(list, zip(*banned, strict=True)), step)
         return i
@@ -663,11 +667,7 @@ class Scheduler:
             token_ids += [PLACEHOLDER] * (n - len(token_ids))
         sample = end == len(req.token_ids) + req.num_pending_tokens
         if n == 1 and sample and not req.sampling.min_tokens:  # a decode row (see DecodeRows)
-            step.decode_tokens.append(token_ids[0])
-            step.decode_starts.append(start)
-            if end % self.kv.block_size == 0:
-                step.fill_rows.append(len(step.decode_slots))
-            step.decode_slots.append(req._slot)
+            step.add_decode_row(req._slot, token_ids[0], start, self.kv.block_size)
         else:
             banned = req.banned_token_ids() if sample and req.sampling.min_tokens else ()
             step.seqs.append(
@@ -694,13 +694,13 @@ class Scheduler:
         free = kv.pool.num_free
         if free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.rotary and not self._waiting_outgrow(free):
             return
-        bs, start_pos = kv.block_size, step.start_pos
+        start_pos = step.start_pos
         candidates = list(filter(self._unwritten.__contains__, self.running))
         complete: dict[Request, int] = {}  # tokens with final KV before this step
         total = 0
         for req in candidates:
             done = start_pos.get(req.request_id, req.num_computed_tokens)
-            n = min(done // bs, len(req.block_ids)) - len(req.cpu_block_ids)  # kv.unwritten_blocks
+            n = kv.unwritten_blocks(req, done)
             if n > 0:
                 complete[req] = done
                 total += n
@@ -714,7 +714,7 @@ class Scheduler:
             step.swap_out += copies
             step.transfer_left -= len(copies)
         for req in candidates:
-            if min(req.num_computed_tokens // bs, len(req.block_ids)) <= len(req.cpu_block_ids):
+            if not kv.unwritten_blocks(req, req.num_computed_tokens):
                 self._unwritten.discard(req)  # written up to its computed tokens, this step's included
 
     def _waiting_outgrow(self, free: int) -> bool:
