@@ -137,22 +137,6 @@ class ReferenceScheduler:
         if req is not None:
             self._finish(req, reason)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_rotary(self) -> int:
-        return len(self.rotary)
-
     # --- what requests need --------------------------------------------------------------
     def next_tokens(self, req: Request) -> int:
         """Tokens the request would compute next step (a decode token, or its whole remaining prefill)."""
