@@ -121,7 +121,8 @@ def run_case(case: str, threads: int, steps: int, mix: Mix, backend: str | None 
         t0 = time.perf_counter()
         out = runner.execute(plan)
         times.append(time.perf_counter() - t0)
-        tokens = out.sampled
+        sampled = out.sampled  # a dict in checkouts older than the list (--against)
+        tokens = sampled if isinstance(sampled, dict) else dict(zip(plan.sampled_ids(), sampled, strict=True))
     digest = hashlib.sha256(json.dumps(sorted((tokens or {}).items())).encode()).hexdigest()[:16]
     return {
         "case": case,

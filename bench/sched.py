@@ -19,6 +19,7 @@ also holds `python_reference_us`, a fixed pure-Python loop timed in the same run
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import statistics
@@ -29,12 +30,14 @@ from pathlib import Path
 
 from superinfer.bench.record import write_result
 from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.model.tiny import ensure_tiny_model
 
 BLOCK = 16
+_UPDATE_TAKES_DICT = "sampled" in inspect.signature(Scheduler.update).parameters
 
 
 def build(policy: str, live: int, contention: bool, seed: int = 0) -> Scheduler:
@@ -52,16 +55,24 @@ def build(policy: str, live: int, contention: bool, seed: int = 0) -> Scheduler:
     return sched
 
 
+def made_up_tokens(plan: StepPlan) -> list[int] | dict[str, int]:
+    """Token 7 for each sampled row: a list in row order, or by request id for a checkout from
+    before `Scheduler.update` took a list (--against)."""
+    if _UPDATE_TAKES_DICT:
+        return dict.fromkeys(plan.sampled_ids(), 7)
+    return [7] * plan.num_sampled
+
+
 def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[int]]:
     """Seconds per step (schedule + update), and the requests each step scheduled."""
     for _ in range(5):  # warm up: prefill everything that fits
         plan = sched.schedule()
-        sched.update(plan, dict.fromkeys(plan.sampled_ids(), 7))
+        sched.update(plan, made_up_tokens(plan))
     seconds, scheduled = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
-        sched.update(plan, dict.fromkeys(plan.sampled_ids(), 7))
+        sched.update(plan, made_up_tokens(plan))
         seconds.append(time.perf_counter() - t0)
         scheduled.append(plan.num_seqs)
     return seconds, scheduled

@@ -354,7 +354,7 @@ class EngineCore:
         outputs = []
         logprobs = result.logprobs
         for req in touched:
-            request_id, token, finished = req.request_id, req.output_token_ids[-1], req.is_finished
+            request_id, token, finished = req.request_id, req.token_ids[-1], req.is_finished
             live = self._live[request_id]
             stream = live.stream
             stream.feed(token, last=finished)
@@ -380,7 +380,7 @@ class EngineCore:
                     finished=finished,
                     finish_reason=req.finish_reason.value if req.finish_reason else None,
                     num_prompt_tokens=len(req.prompt_token_ids),
-                    num_output_tokens=len(req.output_token_ids),
+                    num_output_tokens=req.num_output_tokens,
                     num_cached_tokens=req.num_cached_tokens,
                     prompt_logprobs=prompt_lps,
                 )

@@ -90,9 +90,8 @@ def simulate(
 
     def collect(plan: StepPlan, done: float) -> None:
         clock.now = max(clock.now, done)
-        sampled = dict.fromkeys(plan.sampled_ids(), SAMPLED_TOKEN)
         now = clock.now
-        for req in sched.update(plan, sampled):
+        for req in sched.update(plan, [SAMPLED_TOKEN] * plan.num_sampled):
             token_times[req.request_id].append(now)
 
     nxt = 0

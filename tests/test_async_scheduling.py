@@ -129,15 +129,15 @@ def test_pending_token_is_a_placeholder_and_arrives_later():
     decode = s.schedule()  # planned before the prefill's token is known
     (seq,) = decode.all_seqs()
     assert seq.token_ids == [PLACEHOLDER] and seq.start_pos == 3 and seq.sample
-    s.update(prefill, {"a": 7})
+    s.update(prefill, [7])
     assert s.requests["a"].output_token_ids == [7]
     third = s.schedule()
-    s.update(decode, {"a": 8})
+    s.update(decode, [8])
     assert third.all_seqs()[0].token_ids == [PLACEHOLDER] and third.all_seqs()[0].start_pos == 4
     fourth = s.schedule()
     assert fourth.all_seqs() == [], "its pending token is its last (max_tokens): not scheduled again"
-    s.update(third, {"a": 9})
-    s.update(fourth, {})
+    s.update(third, [9])
+    s.update(fourth, [])
     assert s.requests == {} and s.kv.num_free_blocks == 8
 
 
@@ -146,9 +146,9 @@ def test_token_sampled_past_a_stop_is_dropped():
     s.add(Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=10, temperature=0), 0.0, eos_token_ids=frozenset({0})))
     first = s.schedule()
     second = s.schedule()
-    (req,) = s.update(first, {"a": 0})  # EOS: it ends while `second` still computes for it
+    (req,) = s.update(first, [0])  # EOS: it ends while `second` still computes for it
     assert req.finish_reason is FinishReason.STOP and req.output_token_ids == [0]
-    assert s.update(second, {"a": 5}) == [] and req.output_token_ids == [0]
+    assert s.update(second, [5]) == [] and req.output_token_ids == [0]
     assert s.kv.num_free_blocks == 8
 
 
@@ -157,8 +157,8 @@ def test_blocks_under_a_copy_in_flight_wait_for_its_step():
     ends of its copies stay quarantined until it does; blocks no copy touches are free at once."""
     s = rotary_scheduler(num_blocks=5, num_cpu_blocks=16)  # mostly in use: full blocks are written through
     s.add(Request("a", list(range(3, 13)), SamplingParams(max_tokens=10, temperature=0), 0.0))
-    s.update(s.schedule(), {"a": 7})
-    s.update(s.schedule(), {"a": 8})  # writes its two full blocks through: clean from here on
+    s.update(s.schedule(), [7])
+    s.update(s.schedule(), [8])  # writes its two full blocks through: clean from here on
     copies = s.kv.swap_out(s.requests["a"], step=99)
     assert len(copies) == 1, "only the dirty tail is copied out"
     assert set(s.kv.pool.held) == {copies[0][0]} and s.kv.pool.num_free == 4

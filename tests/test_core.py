@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from superinfer.engine.core.kv import KVCacheManager, cdiv
+from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 
@@ -37,9 +38,14 @@ def make_scheduler(
     )
 
 
+def tokens_for(plan: StepPlan, by_request: dict[str, int]) -> list[int]:
+    """The tokens `Scheduler.update` takes for a plan (in its sampled_ids() order), by request id."""
+    return [by_request[rid] for rid in plan.sampled_ids()]
+
+
 def step(s: Scheduler, token: int = 5):
     plan = s.schedule()
-    s.update(plan, dict.fromkeys(plan.sampled_ids(), token))
+    s.update(plan, [token] * plan.num_sampled)
     return plan
 
 
@@ -128,7 +134,7 @@ def test_preempted_request_recomputes_prompt_and_outputs(prefix):
         plan = s.schedule()
         for q in plan.all_seqs():
             starts[q.request_id].append(q.start_pos)
-        s.update(plan, dict.fromkeys(plan.sampled_ids(), 5))
+        s.update(plan, [5] * plan.num_sampled)
     assert not s.has_work and s.kv.num_free_blocks == 5
     assert s.counters.preemptions["recompute"] >= 1
     restarts = [p for prev, p in itertools.pairwise(starts["b"]) if p <= prev]
@@ -188,10 +194,10 @@ def test_stop_conditions():
     s.add(make_request("ign", 3, max_tokens=2, ignore_eos=True))
     s.add(make_request("tok", 3, max_tokens=9, stop_token_ids=(7,)))
     plan = s.schedule()
-    s.update(plan, {"len": 5, "eos": 0, "ign": 0, "tok": 7})
+    s.update(plan, tokens_for(plan, {"len": 5, "eos": 0, "ign": 0, "tok": 7}))
     assert "eos" not in s.requests and "tok" not in s.requests
     plan = s.schedule()
-    finished = s.update(plan, {"len": 5, "ign": 0})
+    finished = s.update(plan, tokens_for(plan, {"len": 5, "ign": 0}))
     assert {r.request_id: r.finish_reason for r in finished} == {"len": FinishReason.LENGTH, "ign": FinishReason.LENGTH}
 
 
@@ -289,7 +295,7 @@ def test_block_accounting_over_random_workloads(ops, num_blocks, budget, prefix)
         elif op[0] == "step":
             plan = s.schedule()
             assert plan.num_tokens <= budget
-            for req in s.update(plan, dict.fromkeys(plan.sampled_ids(), op[1])):
+            for req in s.update(plan, [op[1]] * plan.num_sampled):
                 if req.is_finished:
                     ended[req.request_id] = req.finish_reason
         check_invariants(s)
@@ -297,7 +303,7 @@ def test_block_accounting_over_random_workloads(ops, num_blocks, budget, prefix)
         if not s.has_work:
             break
         plan = s.schedule()
-        for req in s.update(plan, dict.fromkeys(plan.sampled_ids(), 9)):
+        for req in s.update(plan, [9] * plan.num_sampled):
             if req.is_finished:
                 ended[req.request_id] = req.finish_reason
         check_invariants(s)

@@ -27,6 +27,7 @@ from superinfer.engine.core.policies import FCFSPolicy, RotaryParams, RotaryPoli
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler
 from superinfer.engine.core.scheduler import SchedulerConfig as Config
+from tests.test_core import tokens_for
 
 Slots = dict[int, list[tuple[int, ...] | None]]
 
@@ -119,7 +120,7 @@ def run_workload(seed: int, policy: str, pipelined: bool) -> None:
     in_flight: tuple[StepPlan, dict[str, int]] | None = None  # submitted, not yet collected
 
     def collect(plan: StepPlan, sampled: dict[str, int]) -> None:
-        for req in s.update(plan, sampled):
+        for req in s.update(plan, tokens_for(plan, sampled)):
             if not req.is_finished and rng.random() < 0.05:
                 s.finish(req.request_id, FinishReason.STOP)  # a stop string matched
 

@@ -41,7 +41,7 @@ def rotary_scheduler(num_blocks=16, num_cpu_blocks=64, budget=64, xfer=2400, max
 
 def step(s: Scheduler, token: int = 5):
     plan = s.schedule()
-    s.update(plan, dict.fromkeys(plan.sampled_ids(), token))
+    s.update(plan, [token] * plan.num_sampled)
     return plan
 
 
@@ -409,7 +409,7 @@ def test_two_tier_invariants_over_random_workloads(ops, num_blocks, cpu_blocks, 
                 ended.add(req.request_id)
         assert not gpu & set(s.kv.pool.free), "a block the in-flight step's copies touch was freed for reuse"
         assert not cpu & set(s.kv.cpu.free), "a CPU block the in-flight step's copies touch was freed for reuse"
-        for req in s.update(plan, dict.fromkeys(plan.sampled_ids(), 7)):
+        for req in s.update(plan, [7] * plan.num_sampled):
             if req.is_finished:
                 ended.add(req.request_id)
         clock.now += 0.01

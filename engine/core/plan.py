@@ -110,6 +110,11 @@ class StepPlan:
         the runner and the scheduler read `seqs` and `decodes` as they are)."""
         return self.seqs + self.decodes.seqs()
 
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the step samples (the length of `sampled_ids()`)."""
+        return sum(1 for s in self.seqs if s.sample) + len(self.decodes)
+
     def sampled_ids(self) -> list[str]:
         """The requests that sample a token in this step, in the runner's row order."""
         return [s.request_id for s in self.seqs if s.sample] + self.decodes.request_ids

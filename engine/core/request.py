@@ -98,7 +98,6 @@ class Request:
     slo_class: str = DEFAULT_SLO_CLASS
 
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
     # num_computed_tokens, num_pending_tokens, last_step, step_before_last, t_last_token and
     # max_gap_s: properties below.
     _num_computed_tokens: int = field(default=0, init=False, repr=False)
@@ -121,7 +120,7 @@ class Request:
     t_run: float | None = None  # last time it entered RUNNING
     token_gaps: list[float] = field(default_factory=list)  # seconds between its output tokens
     t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
-    token_ids: list[int] = field(init=False)  # prompt, then output
+    token_ids: list[int] = field(init=False)  # prompt, then output (output_token_ids: a copy of the latter)
     # Tokens at which it ends by length: max_tokens out, or the context length once the scheduler
     # that takes it caps this (Scheduler.add).
     length_limit: int = field(init=False)
@@ -239,7 +238,12 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Its output tokens, copied out of token_ids (which keeps them, after the prompt)."""
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def is_finished(self) -> bool:
@@ -257,7 +261,6 @@ class Request:
         return self.max_gap_s * 1000.0 > self.slo.tbt_ms
 
     def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
     def banned_token_ids(self) -> tuple[int, ...]:
@@ -273,9 +276,10 @@ class Request:
 
     def stop_reason(self) -> FinishReason | None:
         """Why the request must stop after its newest token, if it must (stop strings aside)."""
-        if not self.output_token_ids:
+        num_output = self.num_output_tokens
+        if not num_output:
             return None
-        if self.num_output_tokens >= self.sampling.min_tokens and self.output_token_ids[-1] in self.stop_token_set:
+        if num_output >= self.sampling.min_tokens and self.token_ids[-1] in self.stop_token_set:
             return FinishReason.STOP
         if self.num_tokens >= self.length_limit:
             return FinishReason.LENGTH

@@ -518,9 +518,10 @@ class Scheduler:
                 self._unwritten.add(req)  # its cached prefix, or blocks filled before it left
             self._take(req, n, step)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """The step has completed (compute and copies): apply its sampled tokens and retire its
-        quarantine. Returns the requests that got a token or finished.
+    def update(self, plan: StepPlan, tokens: list[int]) -> list[Request]:
+        """The step has completed (compute and copies): apply its sampled tokens, in the order of
+        `plan.sampled_ids()`, and retire its quarantine. Returns the requests that got a token or
+        finished.
 
         A request that was rotated out or preempted since the step was planned still gets its
         token; one that finished since (abort, stop string, EOS) drops it."""
@@ -531,24 +532,27 @@ class Scheduler:
             self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
         touched: list[Request] = []
+        k = 0  # the next seq's token
         for req, seq in zip(submitted.requests, plan.seqs, strict=True):
             start, n = seq.start_pos, len(seq.token_ids)
             if seq.sample:
                 req.num_pending_tokens -= 1
+                k += 1
             if req.status is RequestStatus.FINISHED:
                 continue
             if req.status is RequestStatus.RUNNING:
                 self.kv.commit_full_blocks(req, start, start + n)
             if seq.sample:
-                self._apply_token(req, sampled[req.request_id], now)
+                self._apply_token(req, tokens[k - 1], now)
                 touched.append(req)
-        touched += self._apply_decodes(submitted, plan.decodes, sampled, now)
+        if len(tokens) != k + len(plan.decodes):
+            raise ValueError(f"step {plan.step_id} samples {k + len(plan.decodes)} tokens, got {len(tokens)}")
+        touched += self._apply_decodes(submitted, plan.decodes, tokens[k:], now)
         self.kv.retire(plan.step_id)
         return touched
 
     def _apply_token(self, req: Request, token: int, now: float) -> None:
         """Append a live request's sampled token, time it, and finish the request if it must stop."""
-        req.output_token_ids.append(token)
         req.token_ids.append(token)
         batch = req._batch
         if batch is not None:
@@ -569,26 +573,23 @@ class Scheduler:
         if reason is not None:
             self._finish(req, reason)
 
-    def _apply_decodes(
-        self, submitted: _Submitted, rows: DecodeRows, sampled: dict[str, int], now: float
-    ) -> list[Request]:
-        """_apply_token for each decode row; returns the rows' requests that got their token.
-        The bulk of update() at thousands of requests: the rows whose request still runs in the
-        slot it was planned in (nearly all) get their counters in columns and their tokens
-        appended in bulk; what may touch the KV cache or end a request (a row that fills a
-        block, one whose token may stop it, one whose request left its slot since planning: it
-        was rotated out, preempted or finished) is done one row at a time, in row order."""
+    def _apply_decodes(self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float) -> list[Request]:
+        """_apply_token for each decode row (`tokens`: theirs, in row order); returns the rows'
+        requests that got their token. The bulk of update() at thousands of requests: the rows
+        whose request still runs in the slot it was planned in (nearly all) get their counters in
+        columns and their tokens appended in bulk; what may touch the KV cache or end a request (a
+        row that fills a block, one whose token may stop it, one whose request left its slot since
+        planning: it was rotated out, preempted or finished) is done one row at a time, in row
+        order."""
         reqs = submitted.decoded
         if not reqs:
             return []
         if len(reqs) < self.rows_per_vector:
             fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else set()
-            tokens = map(sampled.__getitem__, rows.request_ids)
             rows_of = enumerate(zip(reqs, rows.start_pos, tokens, strict=True))
             return [req for k, (req, start, token) in rows_of if self._apply_row(req, start, token, k in fills, now)]
         b = self.batch
-        token_array = np.fromiter(map(sampled.__getitem__, rows.request_ids), dtype=np.int64, count=len(reqs))
-        tokens = token_array.tolist()
+        token_array = np.array(tokens, dtype=np.int64)
         in_slot = b.np_gen[submitted.decode_slots] == submitted.decode_gens
         everyone = bool(in_slot.all())
         keep = None if everyone else in_slot.tolist()
@@ -599,7 +600,6 @@ class Scheduler:
         b.np_num_tokens[slots] += 1
         live_array = token_array if keep is None else token_array[in_slot]
         b.np_last_token[slots] = live_array
-        deque(map(list.append, [r.output_token_ids for r in live], live_tokens), maxlen=0)
         deque(map(list.append, [r.token_ids for r in live], live_tokens), maxlen=0)
         t_prev = b.np_t_last[slots]  # NaN: its first token
         gaps = now - t_prev

@@ -67,7 +67,7 @@ class TokenLogprob:
 
 @dataclass
 class StepOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
+    sampled: list[int] = field(default_factory=list)  # in the plan's sampled_ids() order
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # Prompt tokens' logprobs computed by this step's prefill chunks: position -> logprob.
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
@@ -296,14 +296,14 @@ class ModelRunner:
             out.prompt_logprobs = _prompt_logprobs(step.prompt_rows, step.prompt_logprobs, step.prompt_ranks)
         if step.tokens is None:
             return out
-        out.sampled = dict(zip(step.request_ids, step.tokens.tolist(), strict=True))
+        out.sampled = step.tokens.tolist()
         if step.logprobs is not None:
             chosen = step.logprobs.chosen.tolist()
             top_ids, top_values = step.logprobs.top_ids.tolist(), step.logprobs.top_values.tolist()
             for i, (rid, k) in enumerate(zip(step.request_ids, step.logprobs_wanted, strict=True)):
                 if k is not None:
                     top = list(zip(top_ids[i], top_values[i], strict=True))[:k]
-                    out.logprobs[rid] = TokenLogprob(out.sampled[rid], chosen[i], top)
+                    out.logprobs[rid] = TokenLogprob(out.sampled[i], chosen[i], top)
         return out
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
