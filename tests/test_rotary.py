@@ -304,7 +304,7 @@ def test_prioritize_selects_only_what_the_transfer_budget_can_bring_in():
     step(s)  # "long" decodes, holding 16 of 36 blocks: 20 free, the six need 24
     for i in range(6):  # rotated out earlier: 3 full blocks and a tail in the CPU tier, none left on the GPU
         req = make_request(f"r{i}", 14, max_tokens=30, first_token=10 * i)
-        req.output_token_ids, req.token_ids = [5], [*req.prompt_token_ids, 5]
+        req.token_ids = [*req.prompt_token_ids, 5]
         req.num_computed_tokens, req.t_last_token = 14, 0.0
         req.status, req.cpu_block_ids, (req.cpu_tail,) = (
             RequestStatus.ROTARY,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from superinfer.engine.core.request import Request, RequestStatus
-from superinfer.engine.core.running_batch import RunningBatch, pick
+from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.step_time import StepShape
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ def _running_worst_first(running: RunningBatch, now: float) -> list[Request]:
     slots = running.order
     missed = running.np_max_gap[slots] * 1000.0 > running.np_tbt_ms[slots]
     order = np.lexsort((now - running.np_t_run[slots], missed, -running.np_priority[slots]))
-    return pick(running.requests, slots[order[::-1]].tolist())
+    return running.requests[slots[order[::-1]]].tolist()
 
 
 def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:

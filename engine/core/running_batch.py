@@ -19,12 +19,10 @@ from __future__ import annotations
 import math
 from array import array
 from itertools import repeat
-from operator import itemgetter
-from typing import Any
 
 import numpy as np
 
-from superinfer.engine.core.request import Request, SamplingParams
+from superinfer.engine.core.request import Request
 
 # (column, array typecode): the Request counters first (their names in Request are in _OWNED).
 _COLUMNS = {
@@ -56,18 +54,23 @@ _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 STOP_IDS = 4  # stop tokens kept per slot (EOS ids, stop_token_ids) in `stop_ids[:, slot]`, -1 padded
 
 
+_OBJECTS = ("requests", "request_ids", "samplings", "prompts")  # each running request, and what its plan rows share
+
+
 class RunningBatch:
     """Columns indexed by slot. `order` holds the running requests' slots in running order.
 
-    Each column is an `array.array` (the Request properties index it: a plain Python int, fast)
-    under a numpy view of the same memory (`np_<column>`: the vector operations)."""
+    Each counter column is an `array.array` (the Request properties index it: a plain Python
+    int, fast) under a numpy view of the same memory (`np_<column>`: the vector operations). The
+    object columns (`requests`, `request_ids`, `samplings`, `prompts`) are numpy object arrays:
+    a plan's rows gather them by an array of slots."""
+
+    requests: np.ndarray  # of Request | None
+    request_ids: np.ndarray  # of str | None
+    samplings: np.ndarray  # of SamplingParams | None
+    prompts: np.ndarray  # of list[int] | None
 
     def __init__(self, capacity: int = 64) -> None:
-        # By slot too: each running request, and what its plan rows share with it.
-        self.requests: list[Request | None] = []
-        self.request_ids: list[str | None] = []
-        self.samplings: list[SamplingParams | None] = []
-        self.prompts: list[list[int] | None] = []
         self.free_slots: list[int] = []
         self.order = np.empty(0, dtype=np.int64)
         self.capacity = 0
@@ -84,9 +87,11 @@ class RunningBatch:
             new.extend(repeat(0, capacity - len(old)))
             setattr(self, name, new)
             setattr(self, f"np_{name}", np.frombuffer(new, dtype=_DTYPES[code]))
+        for name in _OBJECTS:
+            column = np.full(capacity, None, dtype=object)
+            column[: self.capacity] = getattr(self, name, ())
+            setattr(self, name, column)
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))  # lowest slot first
-        for column in (self.requests, self.request_ids, self.samplings, self.prompts):
-            column.extend(repeat(None, capacity - self.capacity))
         self.capacity = capacity
 
     def stops(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -133,8 +138,3 @@ class RunningBatch:
         self.gen[slot] += 1
         self.free_slots.append(slot)
         self.order = self.order[self.order != slot]
-
-
-def pick(column: list[Any], slots: list[int]) -> list[Any]:
-    """column[slot] for each slot, in one C call."""
-    return list(itemgetter(*slots)(column)) if len(slots) > 1 else [column[slot] for slot in slots]

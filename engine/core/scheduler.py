@@ -34,7 +34,7 @@ from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
-from superinfer.engine.core.running_batch import RunningBatch, pick
+from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 
 _arrival = attrgetter("arrival_time")
@@ -113,8 +113,9 @@ class _Step:
     transfer_left: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)  # the request of each seq
-    # Plain decodes, in rows: their batch slot, token and position now, the other columns once planned.
-    decode_slots: list[int] = field(default_factory=list)
+    # Plain decodes, in rows: their batch slots (in chunks: a scan's array, or a list of single
+    # rows), token and position now, the other columns once planned.
+    slot_chunks: list[np.ndarray | list[int]] = field(default_factory=list)
     fill_rows: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
     decode_starts: list[int] = field(default_factory=list)
@@ -132,10 +133,28 @@ class _Step:
     def add_decode_row(self, slot: int, token: int, start: int, block_size: int) -> None:
         """A plain decode of the request in batch `slot`: feed `token` at position `start`."""
         if (start + 1) % block_size == 0:
-            self.fill_rows.append(len(self.decode_slots))
-        self.decode_slots.append(slot)
+            self.fill_rows.append(len(self.decode_tokens))
+        chunks = self.slot_chunks
+        if not chunks or not isinstance(chunks[-1], list):
+            chunks.append([])
+        chunks[-1].append(slot)
         self.decode_tokens.append(token)
         self.decode_starts.append(start)
+
+    def add_decode_rows(self, slots: np.ndarray, tokens: list[int], starts: list[int], fill_rows: list[int]) -> None:
+        """Plain decodes found by a scan (`fill_rows`: the indices among them that fill a block)."""
+        first = len(self.decode_tokens)
+        self.fill_rows += [first + k for k in fill_rows]
+        self.slot_chunks.append(slots)
+        self.decode_tokens += tokens
+        self.decode_starts += starts
+
+    def decode_slots(self) -> np.ndarray:
+        """The batch slot of each decode row."""
+        chunks = self.slot_chunks
+        if len(chunks) == 1 and isinstance(chunks[0], np.ndarray):
+            return chunks[0]
+        return np.concatenate(chunks, dtype=np.int64) if chunks else np.zeros(0, dtype=np.int64)
 
 
 class Scheduler:
@@ -266,18 +285,18 @@ class Scheduler:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran
         released, self._released = self._released, []
-        b, slots = self.batch, step.decode_slots
-        decoded = pick(b.requests, slots)
+        b, slots = self.batch, step.decode_slots()
+        decoded = b.requests[slots].tolist()
         plan = StepPlan(
             step_id=step.id,
             seqs=step.seqs,
             decodes=DecodeRows(
-                pick(b.request_ids, slots),
+                b.request_ids[slots].tolist(),
                 step.decode_tokens,
                 step.decode_starts,
                 [r.block_ids for r in decoded],
-                pick(b.samplings, slots),
-                pick(b.prompts, slots),
+                b.samplings[slots].tolist(),
+                b.prompts[slots].tolist(),
             ),
             swap_out=step.swap_out,
             swap_in=step.swap_in,
@@ -288,9 +307,8 @@ class Scheduler:
             released=released,
         )
         shape = StepShape(plan.num_tokens, plan.num_context_tokens)
-        slot_array = np.array(slots, dtype=np.int64)
         self._submitted[step.id] = _Submitted(
-            step.requests, decoded, slot_array, b.np_gen[slot_array], step.fill_rows, step.now, shape
+            step.requests, decoded, slots, b.np_gen[slots], step.fill_rows, step.now, shape
         )
         return plan
 
@@ -346,7 +364,7 @@ class Scheduler:
             rows, starts, was_pending = slots[:end][taken], computed[:end][taken], pending[:end][taken]
         grow = slots[:end][needs_block[:end]]
         if len(grow):
-            self.kv.add_block_each([b.requests[slot] for slot in grow.tolist()])
+            self.kv.add_block_each(b.requests[grow].tolist())
             b.np_nblocks[grow] += 1
         tokens = np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows])
         if step.writes_through:
@@ -359,10 +377,7 @@ class Scheduler:
         b.np_prev_step[rows] = b.np_last_step[rows]
         b.np_last_step[rows] = step.id
         b.np_pending[rows] += 1
-        step.fill_rows += (np.flatnonzero((starts + 1) % bs == 0) + len(step.decode_slots)).tolist()
-        step.decode_slots += rows.tolist()
-        step.decode_tokens += tokens.tolist()
-        step.decode_starts += starts.tolist()
+        step.add_decode_rows(rows, tokens.tolist(), starts.tolist(), np.flatnonzero((starts + 1) % bs == 0).tolist())
         step.budget = budget - int(np.count_nonzero(taken))
         return i + end
 
@@ -392,7 +407,7 @@ class Scheduler:
             if budget <= 0:
                 break
         if grow:
-            self.kv.add_block_each(pick(b.requests, grow))
+            self.kv.add_block_each(b.requests[grow].tolist())
             for slot in grow:
                 nblocks[slot] += 1
         step.budget = budget
