@@ -369,13 +369,20 @@ class KVCacheManager:
 
     def commit_block(self, req: Request, index: int) -> None:
         """commit_full_blocks for one block that just filled (a decode's), hashing only it."""
-        hashes, bs = req.block_hashes, self.block_size
-        if len(hashes) == index:
-            hashes.append(block_hash(hashes[-1] if hashes else b"", req.token_ids[index * bs : (index + 1) * bs]))
-        elif len(hashes) < index:
-            self.update_hashes(req)
-        if index < len(req.block_ids):
-            self.pool.register(req.block_ids[index], hashes[index])
+        self.commit_blocks([req], [index])
+
+    def commit_blocks(self, requests: Sequence[Request], indices: Sequence[int]) -> None:
+        """commit_block of each request's block at the same index, in order (a step's decodes
+        that fill a block: dozens a step at scale)."""
+        bs, register = self.block_size, self.pool.register
+        for req, index in zip(requests, indices, strict=True):
+            hashes = req.block_hashes
+            if len(hashes) == index:
+                hashes.append(block_hash(hashes[-1] if hashes else b"", req.token_ids[index * bs : (index + 1) * bs]))
+            elif len(hashes) < index:
+                self.update_hashes(req)
+            if index < len(req.block_ids):
+                register(req.block_ids[index], hashes[index])
 
     def free(self, req: Request) -> None:
         """Release the request's blocks in both tiers, tail first so shared prefixes go last.

@@ -592,10 +592,10 @@ class Scheduler:
         """_apply_token for each decode row (`tokens`: theirs, in row order); returns the rows'
         requests that got their token. The bulk of update() at thousands of requests: the rows
         whose request still runs in the slot it was planned in (nearly all) get their counters in
-        columns and their tokens appended in bulk; what may touch the KV cache or end a request (a
-        row that fills a block, one whose token may stop it, one whose request left its slot since
-        planning: it was rotated out, preempted or finished) is done one row at a time, in row
-        order."""
+        columns and their tokens appended in bulk, and the blocks they fill committed in one call;
+        what may end a request (a row whose token may stop it, one whose request left its slot
+        since planning: it was rotated out, preempted or finished) is done one row at a time, in
+        row order."""
         reqs = submitted.decoded
         if not reqs:
             return []
@@ -629,21 +629,24 @@ class Scheduler:
         # Running, so its TBT cannot be lost now (that is checked for the rotary: Request.tbt_missed).
         b.np_max_gap[slots] = np.fmax(b.np_max_gap[slots], gaps)
         b.np_t_last[slots] = now
-        may_stop = np.zeros(len(reqs), dtype=bool)
-        may_stop[in_slot] = b.stops(slots, live_array) | (b.np_num_tokens[slots] >= b.np_limit[slots])
-        fills = np.zeros(len(reqs), dtype=bool)
-        if self.kv.enable_prefix_caching:
-            fills[submitted.fill_rows] = True
+        fills = submitted.fill_rows if self.kv.enable_prefix_caching else []
+        if fills:  # (the rows still in their slot, at once; the others one by one below)
+            committed = fills if keep is None else [k for k in fills if keep[k]]
+            bs = self.kv.block_size
+            self.kv.commit_blocks([reqs[k] for k in committed], [rows.start_pos[k] // bs for k in committed])
+        may_stop = b.stops(slots, live_array) | (b.np_num_tokens[slots] >= b.np_limit[slots])
+        if keep is not None:  # by row: the live rows' verdicts, and every row out of its slot
+            by_row = ~in_slot
+            by_row[in_slot] = may_stop
+            may_stop = by_row
         dropped = []
-        for k in np.flatnonzero(may_stop | fills | ~in_slot).tolist():
-            req, start = reqs[k], rows.start_pos[k]
-            if in_slot[k]:
-                if fills[k]:
-                    self.kv.commit_block(req, start // self.kv.block_size)
-                if may_stop[k] and (reason := req.stop_reason()) is not None:
+        for k in np.flatnonzero(may_stop).tolist():
+            req = reqs[k]
+            if keep is None or keep[k]:
+                if (reason := req.stop_reason()) is not None:
                     self._finish(req, reason)
                 continue
-            if not self._apply_row(req, start, tokens[k], bool(fills[k]), now):
+            if not self._apply_row(req, rows.start_pos[k], tokens[k], k in fills, now):
                 dropped.append(k)
         if dropped:
             gone = set(dropped)
