@@ -141,7 +141,9 @@ class _Step:
         self.decode_tokens.append(token)
         self.decode_starts.append(start)
 
-    def add_decode_rows(self, slots: np.ndarray, tokens: list[int], starts: list[int], fill_rows: list[int]) -> None:
+    def add_decode_rows(
+        self, slots: np.ndarray | list[int], tokens: list[int], starts: list[int], fill_rows: list[int]
+    ) -> None:
         """Plain decodes found by a scan (`fill_rows`: the indices among them that fill a block)."""
         first = len(self.decode_tokens)
         self.fill_rows += [first + k for k in fill_rows]
@@ -382,14 +384,16 @@ class Scheduler:
         return i + end
 
     def _serve_decodes_by_row(self, i: int, slots: list[int], step: _Step) -> int:
-        """_serve_decodes for the rows running[i:] in batch `slots`, one at a time."""
-        b, bs, budget = self.batch, self.kv.block_size, step.budget
-        computed, pending, num_tokens, nblocks = b.computed, b.pending, b.num_tokens, b.nblocks
-        free, grow, rows, starts, tokens = self.kv.num_free_blocks, [], [], [], []
+        """_serve_decodes for the rows running[i:] in batch `slots`, one at a time (one loop over
+        the columns: below a few dozen rows, cheaper than the vector operations)."""
+        b, bs, budget, step_id = self.batch, self.kv.block_size, step.budget, step.id
+        computed, pending, num_tokens, nblocks, limit = b.computed, b.pending, b.num_tokens, b.nblocks, b.limit
+        prev_step, last_step, last_token, plain = b.prev_step, b.last_step, b.last_token, b.plain
+        free, grow, rows, tokens, starts, fills, banned = self.kv.num_free_blocks, [], [], [], [], [], []
         for slot in slots:
             start, waiting_for = computed[slot], pending[slot]
             total = num_tokens[slot] + waiting_for
-            if waiting_for and total >= b.limit[slot]:
+            if waiting_for and total >= limit[slot]:
                 i += 1  # Request.ends_after_pending(): scheduling it again would only waste a step
                 continue
             if total - start != 1:
@@ -399,29 +403,30 @@ class Scheduler:
                     break
                 free -= 1
                 grow.append(slot)
-            rows.append(slot)
-            starts.append(start)
-            tokens.append(PLACEHOLDER if waiting_for else b.last_token[slot])
+                nblocks[slot] += 1  # (allocated below, all at once)
+            token = PLACEHOLDER if waiting_for else last_token[slot]
+            if step.writes_through:
+                self._track_filled(b.requests[slot], start, start + 1, step)
+            if plain[slot]:
+                computed[slot] = start + 1
+                prev_step[slot], last_step[slot] = last_step[slot], step_id
+                pending[slot] = waiting_for + 1
+                if (start + 1) % bs == 0:
+                    fills.append(len(rows))
+                rows.append(slot)
+                tokens.append(token)
+                starts.append(start)
+            else:
+                banned.append((slot, start, token))
             i += 1
             budget -= 1
             if budget <= 0:
                 break
         if grow:
             self.kv.add_block_each(b.requests[grow].tolist())
-            for slot in grow:
-                nblocks[slot] += 1
         step.budget = budget
-        banned = []
-        for slot, start, token in zip(rows, starts, tokens, strict=True):
-            if step.writes_through:
-                self._track_filled(b.requests[slot], start, start + 1, step)
-            if not b.plain[slot]:
-                banned.append((slot, start, token))
-                continue
-            computed[slot] = start + 1
-            b.prev_step[slot], b.last_step[slot] = b.last_step[slot], step.id
-            pending[slot] += 1
-            step.add_decode_row(slot, token, start, bs)
+        if rows:
+            step.add_decode_rows(rows, tokens, starts, fills)
         if banned:
             self._banned_rows(*map(list, zip(*banned, strict=True)), step)
         return i
@@ -600,9 +605,7 @@ class Scheduler:
         if not reqs:
             return []
         if len(reqs) < self.rows_per_vector:
-            fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else set()
-            rows_of = enumerate(zip(reqs, rows.start_pos, tokens, strict=True))
-            return [req for k, (req, start, token) in rows_of if self._apply_row(req, start, token, k in fills, now)]
+            return self._apply_decodes_by_row(submitted, rows, tokens, now)
         b = self.batch
         token_array = np.array(tokens, dtype=np.int64)
         in_slot = b.np_gen[submitted.decode_slots] == submitted.decode_gens
@@ -652,6 +655,45 @@ class Scheduler:
             gone = set(dropped)
             return [r for k, r in enumerate(reqs) if k not in gone]
         return reqs
+
+    def _apply_decodes_by_row(
+        self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float
+    ) -> list[Request]:
+        """_apply_decodes one row at a time, in one loop over the columns (below a few dozen
+        rows, cheaper than the vector operations)."""
+        b, bs = self.batch, self.kv.block_size
+        gen, pending, num_tokens, last_token = b.gen, b.pending, b.num_tokens, b.last_token
+        t_last, max_gap, limit = b.t_last, b.max_gap, b.limit
+        fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else set()
+        touched = []
+        slots, gens = submitted.decode_slots.tolist(), submitted.decode_gens.tolist()
+        rows_of = zip(submitted.decoded, slots, gens, tokens, strict=True)
+        for k, (req, slot, planned_gen, token) in enumerate(rows_of):
+            if gen[slot] != planned_gen:  # it left its slot since: rotated out, preempted or finished
+                if self._apply_row(req, rows.start_pos[k], token, k in fills, now):
+                    touched.append(req)
+                continue
+            pending[slot] -= 1
+            req.token_ids.append(token)
+            num_tokens[slot] += 1
+            last_token[slot] = token
+            t = t_last[slot]
+            if t != t:  # NaN: its first token
+                req.t_first_token = now
+            else:
+                gap = now - t
+                req.token_gaps.append(gap)
+                if gap > max_gap[slot]:
+                    max_gap[slot] = gap  # (running: its TBT cannot be lost now, see _apply_decodes)
+            t_last[slot] = now
+            if k in fills:
+                self.kv.commit_block(req, rows.start_pos[k] // bs)
+            if (token in req.stop_token_set or num_tokens[slot] >= limit[slot]) and (
+                reason := req.stop_reason()
+            ) is not None:
+                self._finish(req, reason)
+            touched.append(req)
+        return touched
 
     def _apply_row(self, req: Request, start: int, token: int, fills_block: bool, now: float) -> bool:
         """One decode row's token, applied to its request (wherever it is now); False if the
