@@ -306,6 +306,8 @@ def check_running_batch(s: Scheduler) -> None:
         assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), r.length_limit, r.slo.tbt_ms)
         assert (b.priority[slot], b.t_run[slot]) == (r.priority, r.t_run)
     assert all(r._batch is None for r in [*s.waiting, *s.rotary])
+    assert b.stop_counts == Counter(t for r in s.running for t in r.stop_token_set)
+    assert sorted(b.stop_tokens) == sorted(b.stop_counts)
 
 
 SEEDS = range(40)

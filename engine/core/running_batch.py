@@ -5,9 +5,9 @@ A running request owns a slot. While it runs, its counters that change every ste
 `max_gap_s`) live in the slot, not in the Request: the Request's properties read and write the
 slot, and the scheduler serves thousands of plain decodes with a few vector operations instead of
 a Python loop over them. The batch also mirrors what the decode path reads of each request (its
-token count and newest token, block count, length limit, TBT SLO, stop tokens, whether it is a
-plain decode), kept current by the scheduler. When the request stops running, its counters go
-back into the Request.
+token count and newest token, block count, length limit, TBT SLO, whether it is a plain
+decode), kept current by the scheduler, and counts the tokens that may stop a running request.
+When the request stops running, its counters go back into the Request.
 
 A slot freed and handed to another request gets a new generation: a plan made before that
 (async scheduling) names its rows by slot and generation, so its update finds which rows still
@@ -40,7 +40,6 @@ _COLUMNS = {
     "tbt_ms": "d",  # its TBT SLO
     "priority": "q",
     "t_run": "d",  # when it started running
-    "many_stops": "b",  # more stop tokens than stop_ids holds
     "gen": "q",  # bumped each time the slot is freed
 }
 _OWNED = {
@@ -51,7 +50,6 @@ _OWNED = {
     "max_gap": "_max_gap_s",
 }
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
-STOP_IDS = 4  # stop tokens kept per slot (EOS ids, stop_token_ids) in `stop_ids[:, slot]`, -1 padded
 
 
 _OBJECTS = ("requests", "request_ids", "samplings", "prompts")  # each running request, and what its plan rows share
@@ -72,15 +70,15 @@ class RunningBatch:
 
     def __init__(self, capacity: int = 64) -> None:
         self.free_slots: list[int] = []
+        # Every token that may stop a running request (its EOS ids, its stop_token_ids), with how
+        # many running requests it may stop: few distinct ones (a model's EOS ids, mostly).
+        self.stop_counts: dict[int, int] = {}
+        self.stop_tokens: list[int] = []
         self.order = np.empty(0, dtype=np.int64)
         self.capacity = 0
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
-        stop_ids = np.full((STOP_IDS, capacity), -1, dtype=np.int64)
-        if self.capacity:
-            stop_ids[:, : self.capacity] = self.stop_ids
-        self.stop_ids = stop_ids
         for name, code in _COLUMNS.items():
             old = getattr(self, name, array(code))
             new = array(code, old)  # a copy: numpy views of the old one may still exist
@@ -94,11 +92,13 @@ class RunningBatch:
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))  # lowest slot first
         self.capacity = capacity
 
-    def stops(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Whether each token is in its slot's stop tokens, or may be (more of them than kept)."""
-        found = self.np_many_stops[slots]
-        for hits in self.stop_ids.take(slots, axis=1) == tokens:  # (an `any` over axis 0 is slower)
-            found |= hits
+    def may_stop(self, tokens: np.ndarray) -> np.ndarray:
+        """Whether each token may stop a running request (some running request's stop token)."""
+        if len(self.stop_tokens) > 8:
+            return np.isin(tokens, self.stop_tokens)
+        found = np.zeros(len(tokens), dtype=bool)
+        for token in self.stop_tokens:
+            found |= tokens == token
         return found
 
     def add(self, req: Request) -> None:
@@ -118,9 +118,11 @@ class RunningBatch:
         self.tbt_ms[slot] = req.slo.tbt_ms
         self.priority[slot] = req.priority
         self.t_run[slot] = req.t_run
-        stops = sorted(req.stop_token_set)
-        self.many_stops[slot] = len(stops) > STOP_IDS
-        self.stop_ids[:, slot] = (stops + [-1] * STOP_IDS)[:STOP_IDS]
+        counts = self.stop_counts
+        for token in req.stop_token_set:
+            counts[token] = counts.get(token, 0) + 1
+            if counts[token] == 1:
+                self.stop_tokens = list(counts)
         self.requests[slot], self.request_ids[slot] = req, req.request_id
         self.samplings[slot], self.prompts[slot] = req.sampling, req.prompt_token_ids
         req._batch, req._slot = self, slot
@@ -134,6 +136,12 @@ class RunningBatch:
         t_last = self.t_last[slot]
         req._t_last_token = None if t_last != t_last else t_last
         req._batch, req._slot = None, -1
+        counts = self.stop_counts
+        for token in req.stop_token_set:
+            counts[token] -= 1
+            if not counts[token]:
+                del counts[token]
+                self.stop_tokens = list(counts)
         self.requests[slot] = self.request_ids[slot] = self.samplings[slot] = self.prompts[slot] = None
         self.gen[slot] += 1
         self.free_slots.append(slot)

@@ -638,7 +638,7 @@ class Scheduler:
             committed = fills if keep is None else [k for k in fills if keep[k]]
             bs = self.kv.block_size
             self.kv.commit_blocks([reqs[k] for k in committed], [rows.start_pos[k] // bs for k in committed])
-        may_stop = b.stops(slots, live_array) | (b.np_num_tokens[slots] >= b.np_limit[slots])
+        may_stop = b.may_stop(live_array) | (b.np_num_tokens[slots] >= b.np_limit[slots])
         if keep is not None:  # by row: the live rows' verdicts, and every row out of its slot
             by_row = ~in_slot
             by_row[in_slot] = may_stop
