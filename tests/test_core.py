@@ -201,6 +201,16 @@ def test_stop_conditions():
     assert {r.request_id: r.finish_reason for r in finished} == {"len": FinishReason.LENGTH, "ign": FinishReason.LENGTH}
 
 
+def test_update_takes_a_token_for_each_sampled_row():
+    s = make_scheduler()
+    s.add(make_request("a", 3))
+    plan = s.schedule()
+    with pytest.raises(ValueError, match="samples 1 tokens, got 2"):
+        s.update(plan, [5, 6])
+    s.update(plan, [5])  # the refused call changed nothing
+    assert s.requests["a"].output_token_ids == [5] and s.requests["a"].num_pending_tokens == 0
+
+
 def test_min_tokens_suppresses_early_eos():
     s = make_scheduler()
     s.add(make_request("a", 3, max_tokens=5, min_tokens=2))

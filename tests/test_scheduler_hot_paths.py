@@ -20,6 +20,7 @@ import math
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from superinfer.engine.core import policies
@@ -38,6 +39,7 @@ from superinfer.engine.core.policies import (
     virtual_lag_time,
 )
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.scheduler import ROWS_PER_VECTOR, Scheduler, SchedulerConfig
 from superinfer.engine.core.step_time import StepShape
 from superinfer.engine.slo import SLO
@@ -328,3 +330,55 @@ def test_the_traces_reach_the_paths_that_matter(monkeypatch):
     assert sum(s.counters.rotations for s in schedulers) > 50
     assert sum(s.counters.preemptions["recompute"] for s in schedulers) > 20
     assert sum(g is not None for g in guards) > 100
+
+
+def test_commit_blocks_registers_what_commit_block_does_one_by_one():
+    """One call for a step's filled blocks: the same hashes, the same cached block for content
+    two requests share (the first one's), a request whose hashes lag behind caught up."""
+    bs = 4
+
+    def filled(kv: KVCacheManager) -> list[Request]:
+        reqs = []
+        for i, prompt in enumerate([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1]]):
+            req = Request(f"r{i}", prompt, SamplingParams(max_tokens=8), 0.0)
+            assert kv.allocate(req, len(prompt))
+            req.token_ids += [3, 3, 3]  # its second block (the first, for the last one's third) fills
+            reqs.append(req)
+        reqs[2].block_hashes.clear()  # never hashed: commit catches it up
+        assert kv.allocate(reqs[2], 4)
+        return reqs
+
+    one, batched = KVCacheManager(16, bs), KVCacheManager(16, bs)
+    by_one, at_once = filled(one), filled(batched)
+    for req, index in zip(by_one, [1, 1, 2], strict=True):
+        one.commit_block(req, index)
+    batched.commit_blocks(at_once, [1, 1, 2])
+    assert [r.block_hashes for r in by_one] == [r.block_hashes for r in at_once]
+    assert one.pool.cached == batched.pool.cached and one.pool.hash_of == batched.pool.hash_of
+    assert one.pool.in_use == batched.pool.in_use
+    assert batched.pool.cached[at_once[1].block_hashes[1]] == at_once[0].block_ids[1]
+
+
+@pytest.mark.parametrize("distinct", [3, 20], ids=["compared", "isin"])
+def test_stop_candidates_are_the_running_requests_stop_tokens(distinct):
+    """RunningBatch.may_stop: a token that may stop any running request, counted as requests
+    come and go (a few EOS ids are compared one by one, many stop ids go through np.isin)."""
+    rng = random.Random(distinct)
+    batch = RunningBatch()
+    reqs = []
+    for i in range(30):
+        stops = tuple(rng.sample(range(100, 100 + distinct), rng.randint(0, 3)))
+        req = Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4, stop_token_ids=stops), 0.0, frozenset({7}))
+        req.t_run = 0.0
+        batch.add(req)
+        reqs.append(req)
+    for leaving in rng.sample(reqs, 12):
+        batch.remove(leaving)
+        reqs.remove(leaving)
+    union = {t for r in reqs for t in r.stop_token_set}
+    assert batch.stop_counts == Counter(t for r in reqs for t in r.stop_token_set)
+    tokens = np.array([rng.randrange(0, 100 + distinct) for _ in range(500)] + sorted(union))
+    assert batch.may_stop(tokens).tolist() == [t in union for t in tokens.tolist()]
+    for req in reqs:
+        batch.remove(req)
+    assert batch.stop_counts == {} and not batch.may_stop(tokens).any()

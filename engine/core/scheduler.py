@@ -546,6 +546,8 @@ class Scheduler:
 
         A request that was rotated out or preempted since the step was planned still gets its
         token; one that finished since (abort, stop string, EOS) drops it."""
+        if len(tokens) != plan.num_sampled:
+            raise ValueError(f"step {plan.step_id} samples {plan.num_sampled} tokens, got {len(tokens)}")
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
         if plan.num_seqs:
@@ -566,8 +568,6 @@ class Scheduler:
             if seq.sample:
                 self._apply_token(req, tokens[k - 1], now)
                 touched.append(req)
-        if len(tokens) != k + len(plan.decodes):
-            raise ValueError(f"step {plan.step_id} samples {k + len(plan.decodes)} tokens, got {len(tokens)}")
         touched += self._apply_decodes(submitted, plan.decodes, tokens[k:], now)
         self.kv.retire(plan.step_id)
         return touched
