@@ -24,14 +24,14 @@ import numpy as np
 
 from superinfer.engine.core.request import Request
 
-# (column, array typecode): the Request counters first (their names in Request are in _OWNED).
+# (column, array typecode): the Request counters first (moved in and out by add and remove).
 _COLUMNS = {
-    "computed": "q",
-    "pending": "q",
-    "last_step": "q",
-    "prev_step": "q",
-    "t_last": "d",  # NaN: no token yet
-    "max_gap": "d",
+    "computed": "q",  # Request._num_computed_tokens
+    "pending": "q",  # ._num_pending_tokens
+    "last_step": "q",  # ._last_step
+    "prev_step": "q",  # ._step_before_last
+    "t_last": "d",  # ._t_last_token (NaN: no token yet)
+    "max_gap": "d",  # ._max_gap_s
     "num_tokens": "q",  # len(token_ids)
     "last_token": "q",  # token_ids[-1]
     "nblocks": "q",  # len(block_ids)
@@ -41,13 +41,6 @@ _COLUMNS = {
     "priority": "q",
     "t_run": "d",  # when it started running
     "gen": "q",  # bumped each time the slot is freed
-}
-_OWNED = {
-    "computed": "_num_computed_tokens",
-    "pending": "_num_pending_tokens",
-    "last_step": "_last_step",
-    "prev_step": "_step_before_last",
-    "max_gap": "_max_gap_s",
 }
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 
@@ -106,8 +99,9 @@ class RunningBatch:
         if not self.free_slots:
             self._grow(2 * self.capacity)
         slot = self.free_slots.pop()
-        for column, attr in _OWNED.items():
-            getattr(self, column)[slot] = getattr(req, attr)
+        self.computed[slot], self.pending[slot] = req._num_computed_tokens, req._num_pending_tokens
+        self.last_step[slot], self.prev_step[slot] = req._last_step, req._step_before_last
+        self.max_gap[slot] = req._max_gap_s
         t_last = req._t_last_token
         self.t_last[slot] = math.nan if t_last is None else t_last
         self.num_tokens[slot] = len(req.token_ids)
@@ -126,13 +120,14 @@ class RunningBatch:
         self.requests[slot], self.request_ids[slot] = req, req.request_id
         self.samplings[slot], self.prompts[slot] = req.sampling, req.prompt_token_ids
         req._batch, req._slot = self, slot
-        self.order = np.append(self.order, slot)
+        self.order = np.concatenate((self.order, (slot,)))
 
     def remove(self, req: Request) -> None:
         """The request stops running: its counters go back into it and its slot is freed."""
         slot = req._slot
-        for column, attr in _OWNED.items():
-            setattr(req, attr, getattr(self, column)[slot])
+        req._num_computed_tokens, req._num_pending_tokens = self.computed[slot], self.pending[slot]
+        req._last_step, req._step_before_last = self.last_step[slot], self.prev_step[slot]
+        req._max_gap_s = self.max_gap[slot]
         t_last = self.t_last[slot]
         req._t_last_token = None if t_last != t_last else t_last
         req._batch, req._slot = None, -1
