@@ -372,8 +372,8 @@ class KVCacheManager:
         self.commit_blocks([req], [index])
 
     def commit_blocks(self, requests: Sequence[Request], indices: Sequence[int]) -> None:
-        """commit_block of each request's block at the same index, in order (a step's decodes
-        that fill a block: dozens a step at scale)."""
+        """commit_block of each request with the block index beside it, in order (a step's
+        decodes that fill a block: dozens a step at scale)."""
         bs, register = self.block_size, self.pool.register
         for req, index in zip(requests, indices, strict=True):
             hashes = req.block_hashes
