@@ -74,7 +74,7 @@ def test_rotation_heavy_run_exports_the_transfer_families(monkeypatch):
 
     monkeypatch.setattr(core.metrics, "on_copies", record)
     run(core, PROMPTS, SAMPLING)
-    assert core.scheduler.counters.rotations > 5
+    assert core.scheduler.counters.rotations > 0  # (how many depends on step times: ~120 here, 5 under load)
 
     # What a scrape of /metrics reads.
     values = {
