@@ -103,6 +103,32 @@ class _Submitted:
     shape: StepShape
 
 
+@dataclass(frozen=True)
+class _Classified:
+    """What a scan found of running rows from `first` on, in columns. Still true of the rows it
+    stopped before, and they keep their places in `order`, until one of them is served: a row
+    stopped a scan for want of a block, the general path served it (evicting from the end of the
+    running order, `fcfs`'s victims) and the next scan starts after it."""
+
+    first: int
+    order: np.ndarray  # the batch slots of running[first:]
+    computed: np.ndarray
+    pending: np.ndarray
+    decode: np.ndarray
+    stops: np.ndarray  # but for the want of blocks
+    needs_block: np.ndarray
+
+    def rows(self, i: int, slots: np.ndarray) -> _Classified | None:
+        """Itself for running[i:] (batch `slots`), if those rows still stand where it found them."""
+        k, n = i - self.first, len(slots)
+        if k < 0 or k + n > len(self.order) or not np.array_equal(slots, self.order[k : k + n]):
+            return None
+        cut = slice(k, k + n)
+        return _Classified(
+            i, slots, self.computed[cut], self.pending[cut], self.decode[cut], self.stops[cut], self.needs_block[cut]
+        )
+
+
 @dataclass
 class _Step:
     """What one schedule() call is building."""
@@ -129,6 +155,7 @@ class _Step:
     # Tokens with final KV before this step, of the requests that may have blocks to write through.
     start_pos: dict[str, int] = field(default_factory=dict)
     filled: list[Request] = field(default_factory=list)  # a block of theirs fills in this step
+    classified: _Classified | None = None  # the last vector scan's look at the rows it did not serve
 
     def add_decode_row(self, slot: int, token: int, start: int, block_size: int) -> None:
         """A plain decode of the request in batch `slot`: feed `token` at position `start`."""
@@ -346,13 +373,24 @@ class Scheduler:
         if len(slots) < self.rows_per_vector:
             return self._serve_decodes_by_row(i, slots.tolist(), step)
         bs, free = self.kv.block_size, self.kv.num_free_blocks
-        computed, pending = b.np_computed[slots], b.np_pending[slots]
-        total = b.np_num_tokens[slots] + pending
-        decode = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
-        stops = decode & (total - computed != 1)
-        needs_block = decode & (computed >= b.np_nblocks[slots] * bs)
+        seen = step.classified.rows(i, slots) if step.classified is not None else None
+        if seen is None:
+            computed, pending = b.np_computed[slots], b.np_pending[slots]
+            total = b.np_num_tokens[slots] + pending
+            decode = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
+            stops = decode & (total - computed != 1)
+            needs_block = decode & (computed >= b.np_nblocks[slots] * bs)
+            step.classified = _Classified(i, slots, computed, pending, decode, stops, needs_block)
+        else:  # a scan after the general path served the row that stopped the last one
+            computed, pending, decode, stops, needs_block = (
+                seen.computed,
+                seen.pending,
+                seen.decode,
+                seen.stops,
+                seen.needs_block,
+            )
         if np.count_nonzero(needs_block) > free:
-            stops |= np.cumsum(needs_block) > free  # from the first one that finds no free block
+            stops = stops | (np.cumsum(needs_block) > free)  # from the first one that finds no free block
         end = int(stops.argmax())
         if not stops[end]:
             end = len(slots)
