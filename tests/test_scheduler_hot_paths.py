@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from superinfer.engine.core import policies
+from superinfer.engine.core import policies, scheduler
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import (
@@ -330,6 +330,17 @@ def test_the_traces_reach_the_paths_that_matter(monkeypatch):
     assert sum(s.counters.rotations for s in schedulers) > 50
     assert sum(s.counters.preemptions["recompute"] for s in schedulers) > 20
     assert sum(g is not None for g in guards) > 100
+
+
+def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):
+    """After an eviction from the end of the running order (fcfs), the next vector scan starts
+    from the previous scan's classification: the traces get there, and plan as the reference."""
+    reused = []
+    real_rows = scheduler._Classified.rows
+    monkeypatch.setattr(scheduler._Classified, "rows", lambda *args: reused.append(real_rows(*args)) or reused[-1])
+    for seed in SEEDS[:15]:
+        run_both(seed, rows_per_vector=0)
+    assert sum(r is not None for r in reused) > 3
 
 
 def test_commit_blocks_registers_what_commit_block_does_one_by_one():
