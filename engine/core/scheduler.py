@@ -139,8 +139,8 @@ class _Step:
     transfer_left: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)  # the request of each seq
-    # Plain decodes, in rows: their batch slots (in chunks: a scan's array, or a list of single
-    # rows), token and position now, the other columns once planned.
+    # Plain decodes, in rows: their batch slots (in chunks, a scan's each), token and position
+    # now, the other columns once planned.
     slot_chunks: list[np.ndarray | list[int]] = field(default_factory=list)
     fill_rows: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
@@ -159,14 +159,7 @@ class _Step:
 
     def add_decode_row(self, slot: int, token: int, start: int, block_size: int) -> None:
         """A plain decode of the request in batch `slot`: feed `token` at position `start`."""
-        if (start + 1) % block_size == 0:
-            self.fill_rows.append(len(self.decode_tokens))
-        chunks = self.slot_chunks
-        if not chunks or not isinstance(chunks[-1], list):
-            chunks.append([])
-        chunks[-1].append(slot)
-        self.decode_tokens.append(token)
-        self.decode_starts.append(start)
+        self.add_decode_rows([slot], [token], [start], [0] if (start + 1) % block_size == 0 else [])
 
     def add_decode_rows(
         self, slots: np.ndarray | list[int], tokens: list[int], starts: list[int], fill_rows: list[int]
