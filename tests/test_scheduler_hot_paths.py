@@ -304,8 +304,9 @@ def check_running_batch(s: Scheduler) -> None:
     for r in s.running:
         slot = r._slot
         assert b.requests[slot] is r
-        mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.limit[slot], b.tbt_ms[slot])
-        assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), r.length_limit, r.slo.tbt_ms)
+        mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.written[slot], b.limit[slot])
+        assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), len(r.cpu_block_ids), r.length_limit)
+        assert b.tbt_ms[slot] == r.slo.tbt_ms
         assert (b.priority[slot], b.t_run[slot]) == (r.priority, r.t_run)
     assert all(r._batch is None for r in [*s.waiting, *s.rotary])
     assert b.stop_counts == Counter(t for r in s.running for t in r.stop_token_set)

@@ -200,6 +200,11 @@ class BlockPool:
             if self.cached.setdefault(h, block) == block and self.ref_cnt[block] > 0:
                 self._use(h)
 
+    def register_all(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """`register` each block with the hash beside it."""
+        for block, h in zip(blocks, hashes, strict=True):
+            self.register(block, h)
+
     def _use(self, h: bytes) -> None:
         self.in_use.add(h)
         if h in self.watched:
@@ -451,49 +456,51 @@ class KVCacheManager:
                 done.append((req, copies))
                 budget -= len(copies)
             return done
-        blocks = self.cpu.allocate(sum(n for _, _, n in planned))
-        done, taken = [], 0
+        planned, hashes = planned
+        blocks = self.cpu.allocate(len(hashes))
+        self.cpu.register_all(blocks, hashes)
+        done, sources, taken = [], [], 0
         for req, first, n in planned:
             fresh = blocks[taken : taken + n]
             taken += n
-            for block, h in zip(fresh, req.block_hashes[first : first + n], strict=True):
-                self.cpu.register(block, h)
-            req.cpu_block_ids.extend(fresh)
-            done.append((req, list(zip(req.block_ids[first : first + n], fresh, strict=True))))
-        self._copying((g for _, copies in done for g, _ in copies), blocks, step)
+            req.cpu_block_ids += fresh
+            copies = list(zip(req.block_ids[first : first + n], fresh, strict=True))
+            sources += req.block_ids[first : first + n]
+            done.append((req, copies))
+        self._copying(sources, blocks, step)
         return done
 
     def _plan_new_copies(
         self, targets: Sequence[tuple[Request, int]], budget: int
-    ) -> list[tuple[Request, int, int]] | None:
-        """(request, first block, blocks) that `write_through` one by one would copy, provided
-        none of the blocks it would look at has content the CPU tier holds, or shares content
-        with another of them; else None. Without such hits, nothing but the copies changes the
-        tier in between, so one allocation for all hands out the same blocks."""
+    ) -> tuple[list[tuple[Request, int, int]], list[bytes]] | None:
+        """(request, first block, blocks) that `write_through` one by one would copy, and those
+        blocks' hashes in order, provided none of the blocks it would look at has content the
+        CPU tier holds (or may hold: a quarantined block's), or shares content with another of
+        them; else None. Without such hits, nothing but the copies changes the tier in between,
+        so one allocation for all hands out the same blocks."""
         if self.cpu is None:
-            return []
-        bs, free, lookup = self.block_size, self.cpu.num_free, self.cpu.lookup
+            return [], []
+        bs, cached = self.block_size, self.cpu.cached
+        limit = min(budget, self.cpu.num_free)
         planned: list[tuple[Request, int, int]] = []
-        seen: set[bytes] = set()
-        n = 0
+        seen: dict[bytes, None] = {}  # the hashes of the blocks to copy, in order
         for req, complete in targets:
-            if n >= budget:
+            if len(seen) >= budget:
                 break
             first, full = len(req.cpu_block_ids), min(complete // bs, len(req.block_ids))
             if full <= first:
                 continue
-            take = 0
-            for h in self.update_hashes(req)[first:full]:
-                if h in seen or lookup(h) is not None:
+            hashes = req.block_hashes if len(req.block_hashes) >= full else self.update_hashes(req)
+            before = len(seen)
+            for h in hashes[first:full]:
+                if h in seen or h in cached:
                     return None
-                if n + take >= budget or n + take >= free:
+                if len(seen) >= limit:
                     break
-                seen.add(h)
-                take += 1
-            if take:
-                planned.append((req, first, take))
-                n += take
-        return planned
+                seen[h] = None
+            if len(seen) > before:
+                planned.append((req, first, len(seen) - before))
+        return planned, list(seen)
 
     def _copying(self, gpu_blocks: Iterable[int], cpu_blocks: Iterable[int], step: int) -> None:
         self.pool.copied(gpu_blocks, step)

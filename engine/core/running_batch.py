@@ -5,9 +5,10 @@ A running request owns a slot. While it runs, its counters that change every ste
 `max_gap_s`) live in the slot, not in the Request: the Request's properties read and write the
 slot, and the scheduler serves thousands of plain decodes with a few vector operations instead of
 a Python loop over them. The batch also mirrors what the decode path reads of each request (its
-token count and newest token, block count, length limit, TBT SLO, whether it is a plain
-decode), kept current by the scheduler, and counts the tokens that may stop a running request.
-When the request stops running, its counters go back into the Request.
+token count and newest token, block count and blocks written through to the CPU tier, length
+limit, TBT SLO, whether it is a plain decode), kept current by the scheduler, and counts the
+tokens that may stop a running request. When the request stops running, its counters go back
+into the Request.
 
 A slot freed and handed to another request gets a new generation: a plan made before that
 (async scheduling) names its rows by slot and generation, so its update finds which rows still
@@ -35,6 +36,7 @@ _COLUMNS = {
     "num_tokens": "q",  # len(token_ids)
     "last_token": "q",  # token_ids[-1]
     "nblocks": "q",  # len(block_ids)
+    "written": "q",  # len(cpu_block_ids): its first blocks with a copy in the CPU tier
     "limit": "q",  # length_limit
     "plain": "b",  # no min_tokens: a decode row of it samples with nothing banned
     "tbt_ms": "d",  # its TBT SLO
@@ -106,7 +108,7 @@ class RunningBatch:
         self.t_last[slot] = math.nan if t_last is None else t_last
         self.num_tokens[slot] = len(req.token_ids)
         self.last_token[slot] = req.token_ids[-1]
-        self.nblocks[slot] = len(req.block_ids)
+        self.nblocks[slot], self.written[slot] = len(req.block_ids), len(req.cpu_block_ids)
         self.limit[slot] = req.length_limit
         self.plain[slot] = not req.sampling.min_tokens
         self.tbt_ms[slot] = req.slo.tbt_ms

@@ -152,9 +152,8 @@ class _Step:
     swap_in_after_copy: int = 0
     preempted: bool = False
     writes_through: bool = False  # full blocks are copied to the CPU tier as they fill
-    # Tokens with final KV before this step, of the requests that may have blocks to write through.
-    start_pos: dict[str, int] = field(default_factory=dict)
-    filled: list[Request] = field(default_factory=list)  # a block of theirs fills in this step
+    # Batch slot -> tokens with final KV before this step, of its seqs (its decode rows: all but one).
+    seq_starts: dict[int, int] = field(default_factory=dict)
     classified: _Classified | None = None  # the last vector scan's look at the rows it did not serve
 
     def add_decode_row(self, slot: int, token: int, start: int, block_size: int) -> None:
@@ -212,8 +211,6 @@ class Scheduler:
         self._released: list[str] = []
         self._step_id = 0
         self._submitted: dict[int, _Submitted] = {}
-        # Running requests that may have full blocks not yet written through to the CPU tier.
-        self._unwritten: set[Request] = set()
         self.step_time = StepTimeModel()
         self._t_last_update = -float("inf")
 
@@ -305,7 +302,6 @@ class Scheduler:
                 self._admit_patient(decision.patient, step)
         if step.writes_through:
             self._write_through(step)
-            self._unwritten.update(step.filled)  # their blocks are final once this step ran
         released, self._released = self._released, []
         b, slots = self.batch, step.decode_slots()
         decoded = b.requests[slots].tolist()
@@ -401,8 +397,6 @@ class Scheduler:
             self.kv.add_block_each(b.requests[grow].tolist())
             b.np_nblocks[grow] += 1
         tokens = np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows])
-        if step.writes_through:
-            self._track_filled_rows(rows, starts, step)
         plain = b.np_plain[rows]
         if np.count_nonzero(plain) != len(plain):
             self._banned_rows(rows[~plain].tolist(), starts[~plain].tolist(), tokens[~plain].tolist(), step)
@@ -437,8 +431,6 @@ class Scheduler:
                 grow.append(slot)
                 nblocks[slot] += 1  # (allocated below, all at once)
             token = PLACEHOLDER if waiting_for else last_token[slot]
-            if step.writes_through:
-                self._track_filled(b.requests[slot], start, start + 1, step)
             if plain[slot]:
                 computed[slot] = start + 1
                 prev_step[slot], last_step[slot] = last_step[slot], step_id
@@ -479,20 +471,6 @@ class Scheduler:
                 )
             )
             step.requests.append(req)
-
-    def _track_filled_rows(self, rows: np.ndarray, starts: np.ndarray, step: _Step) -> None:
-        """_track_filled of the decodes in batch slots `rows`, computing token `starts[k]` each:
-        only the unwritten requests among them and the rows that fill a block are looked at."""
-        b, unwritten = self.batch, self._unwritten
-        if unwritten:
-            start_of = np.full(b.capacity, -1, dtype=np.int64)
-            start_of[rows] = starts
-            for req in unwritten:
-                if req._batch is b and (start := start_of[req._slot]) >= 0:
-                    step.start_pos[req.request_id] = int(start)
-        for slot in rows[(starts + 1) % self.kv.block_size == 0].tolist():
-            if b.requests[slot] not in unwritten:
-                step.filled.append(b.requests[slot])
 
     def _admit_patient(self, requests: list[Request], step: _Step) -> None:
         """Admit the patient requests into what is left, best first, without looking at the
@@ -566,8 +544,6 @@ class Scheduler:
             req.t_run = step.now
             self.running.append(req)
             self.batch.add(req)
-            if step.writes_through:
-                self._unwritten.add(req)  # its cached prefix, or blocks filled before it left
             self._take(req, n, step)
 
     def update(self, plan: StepPlan, tokens: list[int]) -> list[Request]:
@@ -739,21 +715,14 @@ class Scheduler:
         return True
 
     # --- helpers ---------------------------------------------------------------------------
-    def _track_filled(self, req: Request, start: int, end: int, step: _Step) -> None:
-        """Note what _write_through needs of a request the step computes tokens [start, end) of."""
-        if req in self._unwritten:
-            step.start_pos[req.request_id] = start
-        elif end // self.kv.block_size != start // self.kv.block_size:
-            step.filled.append(req)  # nothing to write before this step: all full blocks are written
-
     def _take(self, req: Request, n: int, step: _Step) -> None:
         self.batch.nblocks[req._slot] = len(req.block_ids)  # allocated for this step
         start = req.num_computed_tokens
         end = req.num_computed_tokens = start + n
         req.step_before_last, req.last_step = req.last_step, step.id
         step.budget -= n
-        if step.writes_through:
-            self._track_filled(req, start, end, step)
+        if n != 1:
+            step.seq_starts[req._slot] = start  # (a one-token row computed all but one of its tokens)
         token_ids = req.token_ids[start:end]
         if len(token_ids) < n:
             token_ids += [PLACEHOLDER] * (n - len(token_ids))
@@ -776,38 +745,40 @@ class Scheduler:
         budget. When the budget or the tier's free blocks cannot take them all, the policy's
         likeliest next rotation victims go first: rotating one out then copies only its tail.
 
-        Only the requests in `_unwritten` can have such blocks: the others are not looked at.
         Nothing is copied while most of the GPU pool is free, nothing is rotated out and the
         waiting requests fit in the free blocks (they wait for the token budget, as a burst's
         prefills do, not for memory): a rotation is unlikely then, and the copies are not free
         where they share the compute lane (on the CPU). The blocks left unwritten are copied once
-        that changes, or at rotation."""
-        kv = self.kv
+        that changes, or at rotation. Which running requests have blocks to copy is found in the
+        running batch's columns; only those are looked at one by one."""
+        kv, b = self.kv, self.batch
         free = kv.pool.num_free
         if free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.rotary and not self._waiting_outgrow(free):
             return
-        start_pos = step.start_pos
-        candidates = list(filter(self._unwritten.__contains__, self.running))
-        complete: dict[Request, int] = {}  # tokens with final KV before this step
-        total = 0
-        for req in candidates:
-            done = start_pos.get(req.request_id, req.num_computed_tokens)
-            n = kv.unwritten_blocks(req, done)
-            if n > 0:
-                complete[req] = done
-                total += n
-        order = list(complete)
-        if len(order) > 1 and total > min(step.transfer_left, kv.cpu.num_free):
+        # Tokens with final KV before this step: a row this step computes one token of, all but
+        # that one; one it computes more of, where that began; the others, all they computed.
+        done = b.np_computed - (b.np_last_step == step.id)
+        if step.seq_starts:
+            done[list(step.seq_starts)] = list(step.seq_starts.values())
+        slots = b.order
+        done = done[slots]
+        unwritten = np.minimum(done // kv.block_size, b.np_nblocks[slots]) - b.np_written[slots]
+        rows = np.flatnonzero(unwritten > 0)
+        if not len(rows):
+            return
+        slots, done = slots[rows], done[rows]
+        # The step that wrote those blocks: the one before this step, for a request this step computes.
+        wrote = np.where(b.np_last_step[slots] == step.id, b.np_prev_step[slots], b.np_last_step[slots])
+        targets = dict(zip(b.requests[slots].tolist(), zip(done.tolist(), wrote.tolist(), strict=True), strict=True))
+        order = list(targets)
+        if len(order) > 1 and int(unwritten[rows].sum()) > min(step.transfer_left, kv.cpu.num_free):
             order = self.policy.rotation_order(order, step.now)
-        for req, copies in kv.write_through_all([(r, complete[r]) for r in order], step.transfer_left, step.id):
-            if copies:  # blocks full before this step: written by the request's compute before it
-                written = req.step_before_last if req.last_step == step.id else req.last_step
-                step.swap_out_after = max(step.swap_out_after, written)
+        for req, copies in kv.write_through_all([(r, targets[r][0]) for r in order], step.transfer_left, step.id):
+            if copies:
+                step.swap_out_after = max(step.swap_out_after, targets[req][1])
             step.swap_out += copies
             step.transfer_left -= len(copies)
-        for req in candidates:
-            if not kv.unwritten_blocks(req, req.num_computed_tokens):
-                self._unwritten.discard(req)  # written up to its computed tokens, this step's included
+            b.written[req._slot] = len(req.cpu_block_ids)
 
     def _waiting_outgrow(self, free: int) -> bool:
         """The waiting requests' tokens need more GPU blocks than `free` (cached prefixes aside)."""
@@ -827,7 +798,6 @@ class Scheduler:
             return False
         step.swap_out_after = max(step.swap_out_after, req.last_step)
         self._stop_running(req)
-        self._unwritten.discard(req)
         step.swap_out += copies
         step.transfer_left -= len(copies)
         req.status = RequestStatus.ROTARY
@@ -871,7 +841,6 @@ class Scheduler:
         """Drop the request's KV in both tiers; it waits at the front and is prefilled again
         (its tokens are kept, and its blocks still cached on the GPU are found again)."""
         self.kv.free(req)
-        self._unwritten.discard(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -886,7 +855,6 @@ class Scheduler:
         elif req.status is RequestStatus.ROTARY:
             self._leave_rotary(req)
         self.kv.free(req)
-        self._unwritten.discard(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
