@@ -28,6 +28,8 @@ import time
 import timeit
 from pathlib import Path
 
+import numpy as np
+
 from superinfer.bench.record import write_result
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
@@ -37,7 +39,9 @@ from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.model.tiny import ensure_tiny_model
 
 BLOCK = 16
-_UPDATE_TAKES_DICT = "sampled" in inspect.signature(Scheduler.update).parameters
+_UPDATE_TAKES = inspect.signature(Scheduler.update).parameters
+_UPDATE_TAKES_DICT = "sampled" in _UPDATE_TAKES
+_UPDATE_TAKES_ARRAY = "ndarray" in str(_UPDATE_TAKES.get("tokens", inspect.Parameter("x", 1)).annotation)
 
 
 def build(policy: str, live: int, contention: bool, seed: int = 0) -> Scheduler:
@@ -55,11 +59,14 @@ def build(policy: str, live: int, contention: bool, seed: int = 0) -> Scheduler:
     return sched
 
 
-def made_up_tokens(plan: StepPlan) -> list[int] | dict[str, int]:
-    """Token 7 for each sampled row: a list in row order, or by request id for a checkout from
-    before `Scheduler.update` took a list (--against)."""
+def made_up_tokens(plan: StepPlan) -> np.ndarray | list[int] | dict[str, int]:
+    """Token 7 for each sampled row, as the runner hands them over: an int64 array in row order
+    (for a checkout from before `Scheduler.update` took one, a list, or before it took a list, a
+    dict by request id: --against)."""
     if _UPDATE_TAKES_DICT:
         return dict.fromkeys(plan.sampled_ids(), 7)
+    if _UPDATE_TAKES_ARRAY:
+        return np.full(plan.num_sampled, 7, dtype=np.int64)
     return [7] * plan.num_sampled
 
 

@@ -271,8 +271,10 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
             plans = in_flight.pop(0)
             tick(rng.choice([0.0, 0.002, 0.02]))
             sampled = {rid: rng.choice([eos, 7, 8, 9, 9, rng.randrange(3, 50)]) for rid in plans[0].sampled_ids()}
+            fast_tokens = tokens_for(plans[0], sampled)  # as a list, or as the runner hands them over
+            fast_tokens = np.array(fast_tokens, dtype=np.int64) if seed // len(POLICIES) % 2 else fast_tokens
             touched = [
-                sorted(r.request_id for r in s.update(plan, sampled if s is ref else tokens_for(plan, sampled)))
+                sorted(r.request_id for r in s.update(plan, sampled if s is ref else fast_tokens))
                 for s, plan in zip(both, plans, strict=True)
             ]
             assert touched[0] == touched[1]

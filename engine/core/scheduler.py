@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
@@ -546,10 +546,10 @@ class Scheduler:
             self.batch.add(req)
             self._take(req, n, step)
 
-    def update(self, plan: StepPlan, tokens: list[int]) -> list[Request]:
+    def update(self, plan: StepPlan, tokens: Sequence[int] | np.ndarray) -> list[Request]:
         """The step has completed (compute and copies): apply its sampled tokens, in the order of
-        `plan.sampled_ids()`, and retire its quarantine. Returns the requests that got a token or
-        finished.
+        `plan.sampled_ids()` (an int64 array, as the runner returns them, or any sequence), and
+        retire its quarantine. Returns the requests that got a token or finished.
 
         A request that was rotated out or preempted since the step was planned still gets its
         token; one that finished since (abort, stop string, EOS) drops it."""
@@ -557,6 +557,9 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id} samples {plan.num_sampled} tokens, got {len(tokens)}")
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
+        token_array = tokens if isinstance(tokens, np.ndarray) else None
+        if token_array is not None:
+            tokens = token_array.tolist()
         if plan.num_seqs:
             # With async scheduling the step was planned while the one before it still ran.
             self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
@@ -575,7 +578,8 @@ class Scheduler:
             if seq.sample:
                 self._apply_token(req, tokens[k - 1], now)
                 touched.append(req)
-        touched += self._apply_decodes(submitted, plan.decodes, tokens[k:], now)
+        decoded = token_array[k:] if token_array is not None else None
+        touched += self._apply_decodes(submitted, plan.decodes, tokens[k:], now, decoded)
         self.kv.retire(plan.step_id)
         return touched
 
@@ -601,21 +605,24 @@ class Scheduler:
         if reason is not None:
             self._finish(req, reason)
 
-    def _apply_decodes(self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float) -> list[Request]:
-        """_apply_token for each decode row (`tokens`: theirs, in row order); returns the rows'
-        requests that got their token. The bulk of update() at thousands of requests: the rows
-        whose request still runs in the slot it was planned in (nearly all) get their counters in
-        columns and their tokens appended in bulk, and the blocks they fill committed in one call;
-        what may end a request (a row whose token may stop it, one whose request left its slot
-        since planning: it was rotated out, preempted or finished) is done one row at a time, in
-        row order."""
+    def _apply_decodes(
+        self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float, token_array: np.ndarray | None
+    ) -> list[Request]:
+        """_apply_token for each decode row (`tokens`: theirs, in row order; `token_array`: the
+        same as int64, if at hand); returns the rows' requests that got their token. The bulk of
+        update() at thousands of requests: the rows whose request still runs in the slot it was
+        planned in (nearly all) get their counters in columns and their tokens appended in bulk,
+        and the blocks they fill committed in one call; what may end a request (a row whose
+        token may stop it, one whose request left its slot since planning: it was rotated out,
+        preempted or finished) is done one row at a time, in row order."""
         reqs = submitted.decoded
         if not reqs:
             return []
         if len(reqs) < self.rows_per_vector:
             return self._apply_decodes_by_row(submitted, rows, tokens, now)
         b = self.batch
-        token_array = np.array(tokens, dtype=np.int64)
+        if token_array is None:
+            token_array = np.array(tokens, dtype=np.int64)
         in_slot = b.np_gen[submitted.decode_slots] == submitted.decode_gens
         everyone = np.count_nonzero(in_slot) == len(in_slot)
         keep = None if everyone else in_slot.tolist()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
@@ -67,7 +68,7 @@ class TokenLogprob:
 
 @dataclass
 class StepOutput:
-    sampled: list[int] = field(default_factory=list)  # in the plan's sampled_ids() order
+    sampled: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # in sampled_ids() order
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # Prompt tokens' logprobs computed by this step's prefill chunks: position -> logprob.
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
@@ -296,14 +297,15 @@ class ModelRunner:
             out.prompt_logprobs = _prompt_logprobs(step.prompt_rows, step.prompt_logprobs, step.prompt_ranks)
         if step.tokens is None:
             return out
-        out.sampled = step.tokens.tolist()
+        out.sampled = step.tokens.numpy()  # (a host tensor of its own, not reused)
         if step.logprobs is not None:
+            sampled = out.sampled.tolist()
             chosen = step.logprobs.chosen.tolist()
             top_ids, top_values = step.logprobs.top_ids.tolist(), step.logprobs.top_values.tolist()
             for i, (rid, k) in enumerate(zip(step.request_ids, step.logprobs_wanted, strict=True)):
                 if k is not None:
                     top = list(zip(top_ids[i], top_values[i], strict=True))[:k]
-                    out.logprobs[rid] = TokenLogprob(out.sampled[i], chosen[i], top)
+                    out.logprobs[rid] = TokenLogprob(sampled[i], chosen[i], top)
         return out
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
