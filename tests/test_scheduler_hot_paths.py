@@ -305,7 +305,7 @@ def check_running_batch(s: Scheduler) -> None:
     assert b.order.tolist() == [r._slot for r in s.running] and all(r._batch is b for r in s.running)
     for r in s.running:
         slot = r._slot
-        assert b.requests[slot] is r
+        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids and b.gap_lists[slot] is r.token_gaps
         mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.written[slot], b.limit[slot])
         assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), len(r.cpu_block_ids), r.length_limit)
         assert b.tbt_ms[slot] == r.slo.tbt_ms

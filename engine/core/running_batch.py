@@ -47,7 +47,8 @@ _COLUMNS = {
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 
 
-_OBJECTS = ("requests", "request_ids", "samplings", "prompts")  # each running request, and what its plan rows share
+# Each running request, what its plan rows share, and the lists its tokens and their gaps are appended to.
+_OBJECTS = ("requests", "request_ids", "samplings", "prompts", "token_lists", "gap_lists")
 
 
 class RunningBatch:
@@ -55,13 +56,16 @@ class RunningBatch:
 
     Each counter column is an `array.array` (the Request properties index it: a plain Python
     int, fast) under a numpy view of the same memory (`np_<column>`: the vector operations). The
-    object columns (`requests`, `request_ids`, `samplings`, `prompts`) are numpy object arrays:
-    a plan's rows gather them by an array of slots."""
+    object columns (`requests`, `request_ids`, `samplings`, `prompts`, `token_lists`: each
+    request's `token_ids`, `gap_lists`: its `token_gaps`) are numpy object arrays: a plan's or an
+    update's rows gather them by an array of slots."""
 
     requests: np.ndarray  # of Request | None
     request_ids: np.ndarray  # of str | None
     samplings: np.ndarray  # of SamplingParams | None
     prompts: np.ndarray  # of list[int] | None
+    token_lists: np.ndarray  # of list[int] | None
+    gap_lists: np.ndarray  # of list[float] | None
 
     def __init__(self, capacity: int = 64) -> None:
         self.free_slots: list[int] = []
@@ -121,6 +125,7 @@ class RunningBatch:
                 self.stop_tokens = list(counts)
         self.requests[slot], self.request_ids[slot] = req, req.request_id
         self.samplings[slot], self.prompts[slot] = req.sampling, req.prompt_token_ids
+        self.token_lists[slot], self.gap_lists[slot] = req.token_ids, req.token_gaps
         req._batch, req._slot = self, slot
         self.order = np.concatenate((self.order, (slot,)))
 
@@ -139,7 +144,8 @@ class RunningBatch:
             if not counts[token]:
                 del counts[token]
                 self.stop_tokens = list(counts)
-        self.requests[slot] = self.request_ids[slot] = self.samplings[slot] = self.prompts[slot] = None
+        for column in (self.requests, self.request_ids, self.samplings, self.prompts, self.token_lists, self.gap_lists):
+            column[slot] = None
         self.gen[slot] += 1
         self.free_slots.append(slot)
         self.order = self.order[self.order != slot]

@@ -633,17 +633,16 @@ class Scheduler:
         b.np_num_tokens[slots] += 1
         live_array = token_array if keep is None else token_array[in_slot]
         b.np_last_token[slots] = live_array
-        deque(map(list.append, [r.token_ids for r in live], live_tokens), maxlen=0)
+        deque(map(list.append, b.token_lists[slots].tolist(), live_tokens), maxlen=0)
         t_prev = b.np_t_last[slots]  # NaN: its first token
         gaps = now - t_prev
         timed = ~np.isnan(t_prev)
         if np.count_nonzero(timed) == len(timed):
-            deque(map(list.append, [r.token_gaps for r in live], gaps.tolist()), maxlen=0)
+            deque(map(list.append, b.gap_lists[slots].tolist(), gaps.tolist()), maxlen=0)
         else:
             for k in np.flatnonzero(~timed).tolist():
                 live[k].t_first_token = now
-            gap_lists = [r.token_gaps for r in compress(live, timed.tolist())]
-            deque(map(list.append, gap_lists, gaps[timed].tolist()), maxlen=0)
+            deque(map(list.append, b.gap_lists[slots[timed]].tolist(), gaps[timed].tolist()), maxlen=0)
         # Running, so its TBT cannot be lost now (that is checked for the rotary: Request.tbt_missed).
         b.np_max_gap[slots] = np.fmax(b.np_max_gap[slots], gaps)
         b.np_t_last[slots] = now
