@@ -195,15 +195,16 @@ class BlockPool:
 
     def register(self, block: int, h: bytes) -> None:
         """Make a full block findable by its prefix hash (the first block with a hash keeps it)."""
-        if self.hash_of[block] is None:
-            self.hash_of[block] = h
-            if self.cached.setdefault(h, block) == block and self.ref_cnt[block] > 0:
-                self._use(h)
+        self.register_all((block,), (h,))
 
     def register_all(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """`register` each block with the hash beside it."""
+        """`register` each block with the hash beside it, in order."""
+        hash_of, cached, ref_cnt = self.hash_of, self.cached, self.ref_cnt
         for block, h in zip(blocks, hashes, strict=True):
-            self.register(block, h)
+            if hash_of[block] is None:
+                hash_of[block] = h
+                if cached.setdefault(h, block) == block and ref_cnt[block] > 0:
+                    self._use(h)
 
     def _use(self, h: bytes) -> None:
         self.in_use.add(h)
@@ -379,7 +380,7 @@ class KVCacheManager:
     def commit_blocks(self, requests: Sequence[Request], indices: Sequence[int]) -> None:
         """commit_block of each request with the block index beside it, in order (a step's
         decodes that fill a block: dozens a step at scale)."""
-        bs, register = self.block_size, self.pool.register
+        bs, blocks, block_hashes = self.block_size, [], []
         for req, index in zip(requests, indices, strict=True):
             hashes = req.block_hashes
             if len(hashes) == index:
@@ -387,7 +388,9 @@ class KVCacheManager:
             elif len(hashes) < index:
                 self.update_hashes(req)
             if index < len(req.block_ids):
-                register(req.block_ids[index], hashes[index])
+                blocks.append(req.block_ids[index])
+                block_hashes.append(hashes[index])
+        self.pool.register_all(blocks, block_hashes)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks in both tiers, tail first so shared prefixes go last.
