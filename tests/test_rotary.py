@@ -478,16 +478,16 @@ def test_write_through_all_copies_what_one_by_one_copies(shared, budget, cpu_blo
             req.num_computed_tokens = len(req.token_ids)
         targets = [(r, r.num_computed_tokens) for r in reqs]
         if together:
-            got = kv.write_through_all(targets, budget, step=1)
+            copied, copies = kv.write_through_all(targets, budget, step=1)
         else:
-            got, left = [], budget
+            copied, copies = [], []
             for req, complete in targets:
-                if left <= 0:
+                if len(copies) >= budget:
                     break
-                got.append((req, kv.write_through(req, left, 1, complete)))
-                left -= len(got[-1][1])
-        results.append([(r.request_id, copies) for r, copies in got if copies])
+                if own := kv.write_through(req, budget - len(copies), 1, complete):
+                    copied.append(req)
+                    copies += own
+        results.append(([r.request_id for r in copied], copies))
         states.append(_tier_state(kv, reqs))
     assert results[0] == results[1] and states[0] == states[1]
-    copied = sum(len(c) for _, c in results[0])
-    assert copied == min(budget, cpu_blocks, 2 if shared else 10)  # shared: two blocks' content, once
+    assert len(results[0][1]) == min(budget, cpu_blocks, 2 if shared else 10)  # shared: two blocks' content, once

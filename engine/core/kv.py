@@ -445,33 +445,35 @@ class KVCacheManager:
 
     def write_through_all(
         self, targets: Sequence[tuple[Request, int]], budget: int, step: int
-    ) -> list[tuple[Request, list[tuple[int, int]]]]:
-        """`write_through` of each (request, complete tokens) in turn while `budget` lasts: each
-        request's copies. Newly full blocks of decodes are new content: then the CPU blocks for
-        all of them are taken at once; if one's content is in the tier already, one by one."""
+    ) -> tuple[list[Request], list[tuple[int, int]]]:
+        """`write_through` of each (request, complete tokens) in turn while `budget` lasts: the
+        requests that got copies, and all the copies, in order. Newly full blocks of decodes are
+        new content: then the CPU blocks for all of them are taken at once; if one's content is
+        in the tier already, one by one."""
         planned = self._plan_new_copies(targets, budget)
+        copied: list[Request] = []
         if planned is None:
-            done: list[tuple[Request, list[tuple[int, int]]]] = []
+            copies: list[tuple[int, int]] = []
             for req, complete in targets:
-                if budget <= 0:
+                if budget <= len(copies):
                     break
-                copies = self.write_through(req, budget, step, complete)
-                done.append((req, copies))
-                budget -= len(copies)
-            return done
+                own = self.write_through(req, budget - len(copies), step, complete)
+                if own:
+                    copied.append(req)
+                    copies += own
+            return copied, copies
         planned, hashes = planned
         blocks = self.cpu.allocate(len(hashes))
         self.cpu.register_all(blocks, hashes)
-        done, sources, taken = [], [], 0
+        sources: list[int] = []
+        taken = 0
         for req, first, n in planned:
-            fresh = blocks[taken : taken + n]
-            taken += n
-            req.cpu_block_ids += fresh
-            copies = list(zip(req.block_ids[first : first + n], fresh, strict=True))
+            req.cpu_block_ids += blocks[taken : taken + n]
             sources += req.block_ids[first : first + n]
-            done.append((req, copies))
+            taken += n
+            copied.append(req)
         self._copying(sources, blocks, step)
-        return done
+        return copied, list(zip(sources, blocks, strict=True))
 
     def _plan_new_copies(
         self, targets: Sequence[tuple[Request, int]], budget: int

@@ -775,16 +775,18 @@ class Scheduler:
         slots, done = slots[rows], done[rows]
         # The step that wrote those blocks: the one before this step, for a request this step computes.
         wrote = np.where(b.np_last_step[slots] == step.id, b.np_prev_step[slots], b.np_last_step[slots])
-        targets = dict(zip(b.requests[slots].tolist(), zip(done.tolist(), wrote.tolist(), strict=True), strict=True))
-        order = list(targets)
+        reqs = b.requests[slots].tolist()
+        complete = dict(zip(reqs, done.tolist(), strict=True))
+        order = reqs
         if len(order) > 1 and int(unwritten[rows].sum()) > min(step.transfer_left, kv.cpu.num_free):
             order = self.policy.rotation_order(order, step.now)
-        for req, copies in kv.write_through_all([(r, targets[r][0]) for r in order], step.transfer_left, step.id):
-            if copies:
-                step.swap_out_after = max(step.swap_out_after, targets[req][1])
+        copied, copies = kv.write_through_all([(r, complete[r]) for r in order], step.transfer_left, step.id)
+        if copies:
+            wrote_in = dict(zip(reqs, wrote.tolist(), strict=True))
+            step.swap_out_after = max(step.swap_out_after, *map(wrote_in.__getitem__, copied))
             step.swap_out += copies
             step.transfer_left -= len(copies)
-            b.written[req._slot] = len(req.cpu_block_ids)
+        b.np_written[slots] = [len(r.cpu_block_ids) for r in reqs]
 
     def _waiting_outgrow(self, free: int) -> bool:
         """The waiting requests' tokens need more GPU blocks than `free` (cached prefixes aside)."""
