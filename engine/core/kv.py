@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
@@ -195,16 +195,14 @@ class BlockPool:
 
     def register(self, block: int, h: bytes) -> None:
         """Make a full block findable by its prefix hash (the first block with a hash keeps it)."""
-        self.register_all((block,), (h,))
+        if self.hash_of[block] is None:
+            self.hash_of[block] = h
+            if self.cached.setdefault(h, block) == block and self.ref_cnt[block] > 0:
+                self._use(h)
 
     def register_all(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
         """`register` each block with the hash beside it, in order."""
-        hash_of, cached, ref_cnt = self.hash_of, self.cached, self.ref_cnt
-        for block, h in zip(blocks, hashes, strict=True):
-            if hash_of[block] is None:
-                hash_of[block] = h
-                if cached.setdefault(h, block) == block and ref_cnt[block] > 0:
-                    self._use(h)
+        deque(map(self.register, blocks, hashes), maxlen=0)
 
     def _use(self, h: bytes) -> None:
         self.in_use.add(h)
