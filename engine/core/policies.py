@@ -130,14 +130,16 @@ def _live_stats(
     the others in one pass: hot at thousands of requests."""
     turn_share = headroom / 1000.0
     slots = running.order
-    tbt = running.np_tbt_ms[slots]
-    live = ~(running.np_max_gap[slots] * 1000.0 > tbt)  # not Request.tbt_missed
-    tbt = tbt[live]
-    ends = running.np_t_last[slots][live] + tbt * turn_share
-    ends = ends[~np.isnan(ends)]  # NaN: no token yet
-    count, tokens = int(live.sum()), int(running.np_num_tokens[slots][live].sum())
+    tbt, num_tokens, t_last = running.np_tbt_ms[slots], running.np_num_tokens[slots], running.np_t_last[slots]
+    live = running.np_max_gap[slots] * 1000.0 <= tbt  # not Request.tbt_missed
+    count = int(np.count_nonzero(live))
+    if count < len(live):
+        tbt, num_tokens, t_last = tbt[live], num_tokens[live], t_last[live]
+    tokens = int(num_tokens.sum())
     min_tbt_ms = float(tbt.min()) if count else math.inf
-    turn_end = float(ends.min()) if len(ends) else math.inf
+    turn_end = float(np.fmin.reduce(t_last + tbt * turn_share)) if count else math.nan  # fmin: past the NaNs
+    if turn_end != turn_end:  # NaN: none has a token yet
+        turn_end = math.inf
     for group in groups:
         for r in group:
             tbt_ms = r.slo.tbt_ms
