@@ -220,7 +220,7 @@ class EngineMetrics:
         lags = (slo_lag_seconds(r.arrival_time, r.t_last_token, r.slo, now) for r in (*sched.waiting, *sched.rotary))
         self._g("slo_lag_seconds").set(max(lags, default=0.0))
         # GPU blocks: free (empty), dirty (no CPU copy yet), clean (written through), quarantined.
-        clean = min(kv.pool.num_used, sum(min(len(r.cpu_block_ids), len(r.block_ids)) for r in sched.running))
+        clean = min(kv.pool.num_used, sched.batch.blocks_written())
         states = {
             "gpu": {
                 "free": kv.pool.num_free,

@@ -311,6 +311,7 @@ def check_running_batch(s: Scheduler) -> None:
         assert b.tbt_ms[slot] == r.slo.tbt_ms
         assert (b.priority[slot], b.t_run[slot]) == (r.priority, r.t_run)
     assert all(r._batch is None for r in [*s.waiting, *s.rotary])
+    assert b.blocks_written() == sum(min(len(r.cpu_block_ids), len(r.block_ids)) for r in s.running)
     assert b.stop_counts == Counter(t for r in s.running for t in r.stop_token_set)
     assert sorted(b.stop_tokens) == sorted(b.stop_counts)
 

@@ -91,6 +91,11 @@ class RunningBatch:
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))  # lowest slot first
         self.capacity = capacity
 
+    def blocks_written(self) -> int:
+        """GPU blocks of the running requests that have a copy in the CPU tier."""
+        order = self.order
+        return int(np.minimum(self.np_written[order], self.np_nblocks[order]).sum())
+
     def may_stop(self, tokens: np.ndarray) -> np.ndarray:
         """Whether each token may stop a running request (some running request's stop token)."""
         if len(self.stop_tokens) > 8:
