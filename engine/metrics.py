@@ -7,6 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -70,11 +71,23 @@ class TokenHistogram:
         registry.register(self)
 
     def observe(self, labels: tuple[str, ...], value: float) -> None:
+        counts = self._counts(labels)
+        counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
+        counts[-1] += value
+
+    def observe_all(self, labels: tuple[str, ...], values: Sequence[float]) -> None:
+        """`observe` of each value (a step's tokens), the buckets counted by numpy."""
+        counts = self._counts(labels)
+        hits = np.bincount(np.searchsorted(self.bounds, values), minlength=len(self.les))
+        for bucket in np.flatnonzero(hits).tolist():
+            counts[bucket] += int(hits[bucket])
+        counts[-1] += sum(values)
+
+    def _counts(self, labels: tuple[str, ...]) -> list[float]:
         counts = self.series.get(labels)
         if counts is None:
             counts = self.series[labels] = [0] * len(self.les) + [0.0]
-        counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
-        counts[-1] += value
+        return counts
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -245,13 +258,13 @@ class EngineMetrics:
         between tokens."""
         self._c("generation_tokens").inc(len(reqs))
         self._compat("generation", "inc", len(reqs))
-        tbt, itl, model = self.tbt, self.itl, self.model_name
+        gaps: dict[str, list[float]] = {}  # each request's newest gap, by SLO class
         for req in reqs:
             if req.token_gaps:
-                gap = req.token_gaps[-1]
-                tbt.observe((model, req.slo_class), gap)
-                if itl is not None:
-                    itl.observe((model,), gap)
+                by_class = gaps.get(req.slo_class)
+                if by_class is None:
+                    by_class = gaps[req.slo_class] = []
+                by_class.append(req.token_gaps[-1])
                 continue
             ttft = req.t_first_token - req.arrival_time
             self._child(self.ttft, req.slo_class).observe(ttft)
@@ -259,6 +272,10 @@ class EngineMetrics:
             self._child(self.queue).observe(req.t_scheduled - req.arrival_time)
             self._c("prompt_tokens").inc(req.num_prompt_tokens)
             self._compat("prompt", "inc", req.num_prompt_tokens)
+        for slo_class, values in gaps.items():
+            self.tbt.observe_all((self.model_name, slo_class), values)
+            if self.itl is not None:
+                self.itl.observe_all((self.model_name,), values)
 
     def on_finish(self, req: Request, now: float) -> None:
         """A request ended: its latency, and its SLO verdict (TBT by the p99 of its token gaps)."""

@@ -29,13 +29,17 @@ def samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], floa
     return sorted(out, key=lambda s: (s[0], sorted(s[1].items())))
 
 
-def test_exposes_what_prometheus_clients_histogram_exposes():
+@pytest.mark.parametrize("at_once", [False, True], ids=["observe", "observe_all"])
+def test_exposes_what_prometheus_clients_histogram_exposes(at_once):
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     token_histogram = TokenHistogram("gap_seconds", "gap", ["model_name", "slo_class"], BUCKETS, ours)
     histogram = Histogram("gap_seconds", "gap", ["model_name", "slo_class"], buckets=BUCKETS, registry=theirs)
     for labels, values in VALUES.items():
+        if at_once:
+            token_histogram.observe_all(labels, values)
         for v in values:
-            token_histogram.observe(labels, v)
+            if not at_once:
+                token_histogram.observe(labels, v)
             histogram.labels(*labels).observe(v)
     assert samples(ours) == samples(theirs)
     got = {(s[1]["slo_class"], s[1].get("le")): s[2] for s in samples(ours) if s[0] == "gap_seconds_bucket"}
