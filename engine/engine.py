@@ -356,14 +356,16 @@ class EngineCore:
         for req in touched:
             request_id, token, finished = req.request_id, req.token_ids[-1], req.is_finished
             live = self._live[request_id]
-            stream = live.stream
-            stream.feed(token, last=finished)
-            if stream.stopped:  # a stop string matched (also on the very last token)
-                if finished:
-                    req.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish(request_id, FinishReason.STOP)
-                    finished = True
+            stream, text = live.stream, ""
+            if stream.detokenizer is not None:  # (else text and stop strings are the server's)
+                stream.feed(token, last=finished)
+                if stream.stopped:  # a stop string matched (also on the very last token)
+                    if finished:
+                        req.finish_reason = FinishReason.STOP
+                    else:
+                        self.scheduler.finish(request_id, FinishReason.STOP)
+                        finished = True
+                text = stream.take(finished)
             if finished:
                 del self._live[request_id]
                 self.metrics.on_finish(req, now)
@@ -374,7 +376,7 @@ class EngineCore:
             outputs.append(
                 RequestOutput(
                     request_id=request_id,
-                    text=stream.take(finished),
+                    text=text,
                     token_ids=[token],
                     logprobs=[lp] if lp else None,
                     finished=finished,
