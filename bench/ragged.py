@@ -121,8 +121,10 @@ def run_case(case: str, threads: int, steps: int, mix: Mix, backend: str | None 
         t0 = time.perf_counter()
         out = runner.execute(plan)
         times.append(time.perf_counter() - t0)
-        sampled = out.sampled  # a dict in checkouts older than the list (--against)
-        tokens = sampled if isinstance(sampled, dict) else dict(zip(plan.sampled_ids(), sampled, strict=True))
+        sampled = out.sampled  # an array; a list or a dict in older checkouts (--against)
+        if not isinstance(sampled, dict):
+            sampled = dict(zip(plan.sampled_ids(), list(map(int, sampled)), strict=True))
+        tokens = sampled
     digest = hashlib.sha256(json.dumps(sorted((tokens or {}).items())).encode()).hexdigest()[:16]
     return {
         "case": case,
