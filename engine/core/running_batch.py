@@ -149,8 +149,8 @@ class RunningBatch:
             if not counts[token]:
                 del counts[token]
                 self.stop_tokens = list(counts)
-        for column in (self.requests, self.request_ids, self.samplings, self.prompts, self.token_lists, self.gap_lists):
-            column[slot] = None
+        for name in _OBJECTS:
+            getattr(self, name)[slot] = None
         self.gen[slot] += 1
         self.free_slots.append(slot)
         self.order = self.order[self.order != slot]

@@ -578,8 +578,8 @@ class Scheduler:
             if seq.sample:
                 self._apply_token(req, tokens[k - 1], now)
                 touched.append(req)
-        decoded = token_array[k:] if token_array is not None else None
-        touched += self._apply_decodes(submitted, plan.decodes, tokens[k:], now, decoded)
+        decode_tokens = token_array[k:] if token_array is not None else None
+        touched += self._apply_decodes(submitted, plan.decodes, tokens[k:], now, decode_tokens)
         self.kv.retire(plan.step_id)
         return touched
 
