@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -52,9 +51,9 @@ RATIO_BUCKETS = tuple(i / 10 for i in range(11))
 
 class TokenHistogram:
     """A histogram observed once per generated token, thousands of times per step at scale: a
-    bisect and two additions per observation, exported at scrape time as an ordinary Prometheus
-    histogram (prometheus-client's Histogram takes a lock and walks its buckets in Python each
-    time, most of the engine's per-token output work)."""
+    step's values counted into buckets by one numpy pass, exported at scrape time as an ordinary
+    Prometheus histogram (prometheus-client's Histogram takes a lock and walks its buckets in
+    Python for each value, most of the engine's per-token output work)."""
 
     def __init__(
         self,
@@ -70,24 +69,15 @@ class TokenHistogram:
         self.series: dict[tuple[str, ...], list[float]] = {}  # label values -> bucket counts, then the sum
         registry.register(self)
 
-    def observe(self, labels: tuple[str, ...], value: float) -> None:
-        counts = self._counts(labels)
-        counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
-        counts[-1] += value
-
     def observe_all(self, labels: tuple[str, ...], values: Sequence[float]) -> None:
-        """`observe` of each value (a step's tokens), the buckets counted by numpy."""
-        counts = self._counts(labels)
+        """Count each value (a step's tokens) into its bucket, the first whose bound is >= it."""
+        counts = self.series.get(labels)
+        if counts is None:
+            counts = self.series[labels] = [0] * len(self.les) + [0.0]
         hits = np.bincount(np.searchsorted(self.bounds, values), minlength=len(self.les))
         for bucket in np.flatnonzero(hits).tolist():
             counts[bucket] += int(hits[bucket])
         counts[-1] += sum(values)
-
-    def _counts(self, labels: tuple[str, ...]) -> list[float]:
-        counts = self.series.get(labels)
-        if counts is None:
-            counts = self.series[labels] = [0] * len(self.les) + [0.0]
-        return counts
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)

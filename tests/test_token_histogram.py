@@ -29,7 +29,7 @@ def samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], floa
     return sorted(out, key=lambda s: (s[0], sorted(s[1].items())))
 
 
-@pytest.mark.parametrize("at_once", [False, True], ids=["observe", "observe_all"])
+@pytest.mark.parametrize("at_once", [False, True], ids=["one-by-one", "all-at-once"])
 def test_exposes_what_prometheus_clients_histogram_exposes(at_once):
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     token_histogram = TokenHistogram("gap_seconds", "gap", ["model_name", "slo_class"], BUCKETS, ours)
@@ -39,7 +39,7 @@ def test_exposes_what_prometheus_clients_histogram_exposes(at_once):
             token_histogram.observe_all(labels, values)
         for v in values:
             if not at_once:
-                token_histogram.observe(labels, v)
+                token_histogram.observe_all(labels, [v])
             histogram.labels(*labels).observe(v)
     assert samples(ours) == samples(theirs)
     got = {(s[1]["slo_class"], s[1].get("le")): s[2] for s in samples(ours) if s[0] == "gap_seconds_bucket"}
