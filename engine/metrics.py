@@ -250,11 +250,12 @@ class EngineMetrics:
         self._compat("generation", "inc", len(reqs))
         gaps: dict[str, list[float]] = {}  # each request's newest gap, by SLO class
         for req in reqs:
-            if req.token_gaps:
+            gap = req.last_gap
+            if gap is not None:
                 by_class = gaps.get(req.slo_class)
                 if by_class is None:
                     by_class = gaps[req.slo_class] = []
-                by_class.append(req.token_gaps[-1])
+                by_class.append(gap)
                 continue
             ttft = req.t_first_token - req.arrival_time
             self._child(self.ttft, req.slo_class).observe(ttft)
