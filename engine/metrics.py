@@ -250,12 +250,11 @@ class EngineMetrics:
         self._compat("generation", "inc", len(reqs))
         gaps: dict[str, list[float]] = {}  # each request's newest gap, by SLO class
         for req in reqs:
-            gap = req.last_gap
-            if gap is not None:
+            if req.token_gaps:
                 by_class = gaps.get(req.slo_class)
                 if by_class is None:
                     by_class = gaps[req.slo_class] = []
-                by_class.append(gap)
+                by_class.append(req.token_gaps[-1])
                 continue
             ttft = req.t_first_token - req.arrival_time
             self._child(self.ttft, req.slo_class).observe(ttft)

@@ -172,16 +172,7 @@ def plan_digest(plan: StepPlan) -> tuple:
     )
 
 
-def token_gaps(r: Request, flush: bool) -> list[float]:
-    """The request's token_gaps: read as users do (emptying its batch tail into the list), or put
-    together from its list and the tail, leaving the tail as it is."""
-    b = r._batch
-    if flush or b is None:
-        return r.token_gaps
-    return r._token_gaps + b.gap_tail[r._slot, : b.tail_gaps[r._slot]].tolist()
-
-
-def state_digest(s: Scheduler, flush: bool = True) -> tuple:
+def state_digest(s: Scheduler) -> tuple:
     def req(r: Request) -> tuple:
         return (
             r.request_id,
@@ -194,7 +185,7 @@ def state_digest(s: Scheduler, flush: bool = True) -> tuple:
             r.cpu_tail,
             r.last_step,
             r.step_before_last,
-            token_gaps(r, flush),
+            r.token_gaps,
             r.max_gap_s,
             r.t_first_token,
             r.t_last_token,
@@ -235,11 +226,9 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
     fast_policy, ref_policy = policy_pair(kind, gpu_blocks, xfer)
     fast = Scheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), fast_policy, clocks[0])
     fast.rows_per_vector = rows_per_vector
-    fast.batch = RunningBatch(tail=(1, 3, 64)[seed % 3])  # how many gaps a slot holds before its list gets them
     ref = ReferenceScheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), ref_policy, clocks[1])
     both = (fast, ref)
     in_flight_limit = rng.choice([0, 1])  # synchronous, or async scheduling (one step in flight)
-    flush = seed // len(POLICIES) // 2 % 2 == 1  # the checks read token_gaps (else peek at the batch's tails)
     prefixes = [[rng.randrange(3, 50) for _ in range(rng.randint(1, 40))] for _ in range(4)]
     in_flight: list[list[StepPlan]] = []
     handed_out: list[tuple[StepPlan, tuple]] = []
@@ -289,9 +278,9 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
                 for s, plan in zip(both, plans, strict=True)
             ]
             assert touched[0] == touched[1]
-        assert state_digest(fast, flush) == state_digest(ref)
+        assert state_digest(fast) == state_digest(ref)
         check_swap_in_index(fast)
-        check_running_batch(fast, flush)
+        check_running_batch(fast)
     # Plans share block tables with their requests: none changed after it was handed out.
     assert all(plan_digest(plan) == digest for plan, digest in handed_out)
     return fast
@@ -309,17 +298,14 @@ def check_swap_in_index(s: Scheduler) -> None:
     assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
 
 
-def check_running_batch(s: Scheduler, flush: bool = True) -> None:
+def check_running_batch(s: Scheduler) -> None:
     """The running batch holds exactly the running requests, in order, and what it mirrors of
     each is current; the others keep their counters in themselves."""
     b = s.batch
     assert b.order.tolist() == [r._slot for r in s.running] and all(r._batch is b for r in s.running)
     for r in s.running:
         slot = r._slot
-        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids and b.gap_lists[slot] is r._token_gaps
-        assert 0 <= b.tail_gaps[slot] < b.gap_tail.shape[1]
-        gaps = token_gaps(r, flush)
-        assert r.last_gap == (gaps[-1] if gaps else None)
+        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids and b.gap_lists[slot] is r.token_gaps
         mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.written[slot], b.limit[slot])
         assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), len(r.cpu_block_ids), r.length_limit)
         assert b.tbt_ms[slot] == r.slo.tbt_ms

@@ -53,8 +53,7 @@ def test_one_call_per_step_counts_first_tokens_and_gaps_per_class():
         for rid, cls in (("a", "interactive"), ("b", "batch"))
     )
     first.t_scheduled, first.t_first_token = 0.1, 0.3
-    later.t_scheduled, later.t_first_token = 0.0, 0.2
-    later.token_gaps.extend([0.05, 0.25])
+    later.t_scheduled, later.t_first_token, later.token_gaps = 0.0, 0.2, [0.05, 0.25]
     metrics.on_tokens([first, later])
 
     def value(name: str, **labels: str) -> float | None:

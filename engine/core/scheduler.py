@@ -611,11 +611,10 @@ class Scheduler:
         """_apply_token for each decode row (`tokens`: theirs, in row order; `token_array`: the
         same as int64, if at hand); returns the rows' requests that got their token. The bulk of
         update() at thousands of requests: the rows whose request still runs in the slot it was
-        planned in (nearly all) get their counters in columns, their tokens appended in bulk and
-        their gaps into the batch's tails, and the blocks they fill committed in one call; what
-        may end a request (a row whose token may stop it, one whose request left its slot since
-        planning: it was rotated out, preempted or finished) is done one row at a time, in row
-        order."""
+        planned in (nearly all) get their counters in columns and their tokens appended in bulk,
+        and the blocks they fill committed in one call; what may end a request (a row whose
+        token may stop it, one whose request left its slot since planning: it was rotated out,
+        preempted or finished) is done one row at a time, in row order."""
         reqs = submitted.decoded
         if not reqs:
             return []
@@ -639,11 +638,11 @@ class Scheduler:
         gaps = now - t_prev
         timed = ~np.isnan(t_prev)
         if np.count_nonzero(timed) == len(timed):
-            b.add_gaps(slots, gaps)
+            deque(map(list.append, b.gap_lists[slots].tolist(), gaps.tolist()), maxlen=0)
         else:
             for k in np.flatnonzero(~timed).tolist():
                 live[k].t_first_token = now
-            b.add_gaps(slots[timed], gaps[timed])
+            deque(map(list.append, b.gap_lists[slots[timed]].tolist(), gaps[timed].tolist()), maxlen=0)
         # Running, so its TBT cannot be lost now (that is checked for the rotary: Request.tbt_missed).
         b.np_max_gap[slots] = np.fmax(b.np_max_gap[slots], gaps)
         b.np_t_last[slots] = now
