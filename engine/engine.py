@@ -354,7 +354,8 @@ class EngineCore:
         outputs = []
         logprobs = result.logprobs
         for req in touched:
-            request_id, token, finished = req.request_id, req.token_ids[-1], req.is_finished
+            tokens, num_prompt = req.token_ids, len(req.prompt_token_ids)
+            request_id, token, finished = req.request_id, tokens[-1], req.is_finished
             live = self._live[request_id]
             stream, text = live.stream, ""
             if stream.detokenizer is not None:  # (else text and stop strings are the server's)
@@ -371,20 +372,20 @@ class EngineCore:
                 self.metrics.on_finish(req, now)
             lp = logprobs.get(request_id) if logprobs else None
             prompt_lps = None
-            if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 1:
-                prompt_lps = [None, *(live.prompt_logprobs[p] for p in range(1, req.num_prompt_tokens))]
+            if req.sampling.prompt_logprobs is not None and len(tokens) - num_prompt == 1:
+                prompt_lps = [None, *(live.prompt_logprobs[p] for p in range(1, num_prompt))]
             outputs.append(
-                RequestOutput(
-                    request_id=request_id,
-                    text=text,
-                    token_ids=[token],
-                    logprobs=[lp] if lp else None,
-                    finished=finished,
-                    finish_reason=req.finish_reason.value if req.finish_reason else None,
-                    num_prompt_tokens=len(req.prompt_token_ids),
-                    num_output_tokens=req.num_output_tokens,
-                    num_cached_tokens=req.num_cached_tokens,
-                    prompt_logprobs=prompt_lps,
+                RequestOutput(  # (positional: see RequestOutput)
+                    request_id,
+                    text,
+                    [token],
+                    [lp] if lp else None,
+                    finished,
+                    req.finish_reason.value if req.finish_reason else None,
+                    num_prompt,
+                    len(tokens) - num_prompt,
+                    req.num_cached_tokens,
+                    prompt_lps,
                 )
             )
         self.metrics.on_step(

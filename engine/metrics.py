@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -248,13 +249,11 @@ class EngineMetrics:
         between tokens."""
         self._c("generation_tokens").inc(len(reqs))
         self._compat("generation", "inc", len(reqs))
-        gaps: dict[str, list[float]] = {}  # each request's newest gap, by SLO class
+        gaps: defaultdict[str, list[float]] = defaultdict(list)  # each request's newest gap, by SLO class
         for req in reqs:
-            if req.token_gaps:
-                by_class = gaps.get(req.slo_class)
-                if by_class is None:
-                    by_class = gaps[req.slo_class] = []
-                by_class.append(req.token_gaps[-1])
+            newest = req.token_gaps
+            if newest:
+                gaps[req.slo_class].append(newest[-1])
                 continue
             ttft = req.t_first_token - req.arrival_time
             self._child(self.ttft, req.slo_class).observe(ttft)

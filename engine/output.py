@@ -8,9 +8,10 @@ from superinfer.engine.tokenizer import IncrementalDetokenizer
 from superinfer.engine.worker.runner import TokenLogprob
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """The delta of one request since its previous output."""
+    """The delta of one request since its previous output (one per running request each step:
+    the engine builds them with positional arguments, which cost a third of keyword ones)."""
 
     request_id: str
     text: str

@@ -261,18 +261,10 @@ class ProcessEngine(FailsOnce):
                 finished, reason = True, "stop"
             if finished:
                 del self._streams[rid]
+            text_delta = text.take(finished)
             stream.outputs.put_nowait(
-                RequestOutput(
-                    request_id=rid,
-                    text=text.take(finished),
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    finished=finished,
-                    finish_reason=reason,
-                    num_prompt_tokens=n_prompt,
-                    num_output_tokens=n_output,
-                    num_cached_tokens=n_cached,
-                    prompt_logprobs=prompt_lps,
+                RequestOutput(  # (positional: see RequestOutput)
+                    rid, text_delta, token_ids, logprobs, finished, reason, n_prompt, n_output, n_cached, prompt_lps
                 )
             )
 

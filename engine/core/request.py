@@ -22,6 +22,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# (A module global: on Python 3.11 looking up an Enum member costs ~0.2 µs, and is_finished is
+# asked of every running request every step.)
+_FINISHED = RequestStatus.FINISHED
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -247,7 +252,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is _FINISHED
 
     @property
     def in_decode(self) -> bool:
