@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +68,9 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-@dataclass(frozen=True)
-class SeqSpan:
-    """One sequence's share of the step: `num_tokens` query rows from `row`, `context` keys in all."""
+class SeqSpan(NamedTuple):
+    """One sequence's share of the step: `num_tokens` query rows from `row`, `context` keys in all.
+    (A NamedTuple: one per running request each step, built in a third of a frozen dataclass's time.)"""
 
     row: int
     num_tokens: int

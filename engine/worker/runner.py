@@ -170,6 +170,10 @@ def _gather_inputs(plan: StepPlan, block_rows: BlockRows | None = None) -> _Step
     blocks = block_rows.arrays(d.block_ids) if block_rows else d.block_ids
     x.spans += map(SeqSpan, range(row, row + len(d)), repeat(1), [p + 1 for p in d.start_pos], blocks)
     x.sample_rows += range(row, row + len(d))
+    if d.token_ids.count(PLACEHOLDER) == len(d):  # every decode row's token is the step in flight's (async)
+        x.placeholder_rows += range(row, row + len(d))
+        x.placeholder_ids += d.request_ids
+        return x
     for i, token in enumerate(d.token_ids):
         if token == PLACEHOLDER:
             x.placeholder_rows.append(row + i)
