@@ -542,8 +542,11 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(400, str(exc))
 
 
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # (json.dumps with options builds an encoder per call)
+
+
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _COMPACT_JSON.encode(payload).encode() + b"\n\n"
 
 
 # --- running it -------------------------------------------------------------------------------
