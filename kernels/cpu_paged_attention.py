@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -133,7 +134,9 @@ class SpanTable:
         for row, n, context, ids in zip(rows, num_tokens, contexts, block_ids, strict=True):
             spans += (row, n, context, len(table))
             table += ids[: -(-context // block_size)]
-        return SpanTable(torch.tensor(spans, dtype=torch.int32), torch.tensor(table or [0], dtype=torch.int32))
+        # Through numpy: torch.tensor of a long list is 3-4x slower.
+        as_int32 = np.array(spans, dtype=np.int32), np.array(table or [0], dtype=np.int32)
+        return SpanTable(*map(torch.from_numpy, as_int32))
 
 
 def paged_attention(

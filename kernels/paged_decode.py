@@ -26,6 +26,7 @@ from superinfer.kernels.common import (
     block_table,
     cdiv,
     dot_precision,
+    int32_tensor,
     kv_offsets,
     next_pow2,
     softmax_step,
@@ -66,7 +67,7 @@ class DecodeBatch:
             raise ValueError(f"split_keys must be a positive multiple of {BLOCK_N}, got {split_keys}")
 
         def ints(values: Sequence[int]) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=torch.int32), device)
+            return to_device(int32_tensor(values), device)
 
         table = to_device(block_table(block_ids, contexts, block_size), device)
         longest = max(contexts)

@@ -26,6 +26,7 @@ from superinfer.kernels.common import (
     CacheStrides,
     block_table,
     dot_precision,
+    int32_tensor,
     kv_offsets,
     next_pow2,
     softmax_step,
@@ -76,7 +77,7 @@ class ExtendBatch:
         tiles.sort(key=lambda bt: contexts[bt[0]] - q_lens[bt[0]] + bt[1], reverse=True)
 
         def ints(values: Sequence[int]) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=torch.int32), device)
+            return to_device(int32_tensor(values), device)
 
         return ExtendBatch(
             q_starts=ints(q_starts),

@@ -133,9 +133,14 @@ def plan_attention(
     builder = _GroupBuilder(block_size, kv_cache.dtype, kv_cache.device)
     max_tokens = max(1, group_bytes // (2 * kv_heads * head_dim * kv_cache.element_size()))
     slots: list[int] = []
+    block_stride = num_layers * 2 * block_size
     for s in spans:
+        if s.num_tokens == 1:  # a decode: most rows at scale
+            pos = s.context - 1
+            slots.append(s.block_ids[pos // block_size] * block_stride + pos % block_size)
+            continue
         for pos in range(s.context - s.num_tokens, s.context):
-            slots.append(s.block_ids[pos // block_size] * (num_layers * 2 * block_size) + pos % block_size)
+            slots.append(s.block_ids[pos // block_size] * block_stride + pos % block_size)
     decodes = [s for s in spans if s.num_tokens == 1] if with_decodes else []
     firsts = [s for s in spans if s.num_tokens > 1 and s.num_tokens == s.context]
     continued = [s for s in spans if 1 < s.num_tokens < s.context]

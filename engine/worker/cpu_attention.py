@@ -16,6 +16,7 @@ import torch
 
 from superinfer.engine.model.tiny import default_cache_root
 from superinfer.engine.worker.attention import PagedAttention, SeqSpan, plan_attention
+from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.kernels.cpu_paged_attention import SpanTable, load, paged_attention
 
 
@@ -47,7 +48,7 @@ class CpuPagedAttention(PagedAttention):
             if decodes
             else None
         )
-        self.decode_rows = torch.tensor([s.row for s in decodes], dtype=torch.long)
+        self.decode_rows = device_tensor([s.row for s in decodes], torch.long, kv_cache.device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = super().__call__(layer, q, k, v)  # the new K/V written, the prompt chunks attended

@@ -26,8 +26,9 @@ from functools import partial
 import torch
 
 from superinfer.engine.worker.attention import SeqSpan
+from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.triton_attention import TritonPagedAttention, token_slots
-from superinfer.kernels.common import block_table, cdiv, to_device
+from superinfer.kernels.common import block_table, cdiv, int32_tensor, to_device
 from superinfer.kernels.paged_decode import DecodeBatch, split_size
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
@@ -93,10 +94,10 @@ class DecodeGraphs:
             return None
         size, bs = self.sizes[i], self.block_size
         contexts = [s.context for s in spans]
-        meta = to_device(torch.tensor([token_slots(spans, bs), contexts], dtype=torch.int32), input_ids.device)
+        meta = to_device(int32_tensor([token_slots(spans, bs), contexts]), input_ids.device)
         table = to_device(block_table([s.block_ids for s in spans], contexts, bs), input_ids.device)
         self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(to_device(torch.tensor(positions, dtype=torch.long), input_ids.device))
+        self.positions[:n].copy_(device_tensor(positions, torch.long, input_ids.device))
         self.slots[:n].copy_(meta[0])
         self.context_lens[:n].copy_(meta[1])
         self.block_tables[:n, : table.shape[1]].copy_(table)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from superinfer.engine.worker.attention import SeqSpan
-from superinfer.kernels.common import to_device
+from superinfer.kernels.common import int32_tensor, to_device
 from superinfer.kernels.kv_write import kv_write
 from superinfer.kernels.paged_decode import DecodeBatch, paged_decode
 from superinfer.kernels.paged_prefill import ExtendBatch, paged_prefill
@@ -56,7 +56,7 @@ class TritonPagedAttention:
     def for_step(cls, spans: Sequence[SeqSpan], kv_cache: torch.Tensor, scale: float) -> TritonPagedAttention:
         block_size, kv_heads, device = kv_cache.shape[3], kv_cache.shape[4], kv_cache.device
         ordered = sorted(spans, key=lambda s: s.row)
-        slots = to_device(torch.tensor(token_slots(ordered, block_size), dtype=torch.int32), device)
+        slots = to_device(int32_tensor(token_slots(ordered, block_size)), device)
         decodes = [s for s in spans if s.num_tokens == 1]
         batch = (
             DecodeBatch.build(
