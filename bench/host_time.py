@@ -4,7 +4,9 @@ The real engine (tiny model, CPU, async scheduling) decoding B requests at once;
 time split into `schedule` (Scheduler.schedule), `update` (Scheduler.update: tokens applied) and
 `outputs` (the rest of EngineCore.complete: metrics and the per-request outputs; text decoding
 happens in the server's process by default, `--detokenize` puts it here). The model step itself
-(`submit` on the CPU) is reported for scale. Medians over `--steps` steps per batch.
+(`submit` on the CPU) is reported for scale, and inside it the runner's host work: `inputs` (the
+step's inputs gathered from the plan) and `attention` (the attention backend's per-step metadata,
+built once for all layers). Medians over `--steps` steps per batch.
 
     python -m bench.host_time [--batches 256,1024] [--steps 20] [--detokenize] [--tag T]
 """
@@ -24,6 +26,7 @@ from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
+from superinfer.engine.worker import runner as runner_module
 
 PROMPT_TOKENS = 32
 
@@ -68,12 +71,18 @@ def measure(batch: int, steps: int, detokenize: bool, sampling: SamplingParams |
     core.scheduler.update = timed(parts["update"], core.scheduler.update)
     core.complete = timed(parts["complete"], core.complete)
     core.runner.submit = timed(parts["model"], core.runner.submit)
-    for _ in range(3):  # warm up the async pipeline
-        core.step()
-    for seconds in parts.values():
-        seconds.clear()
-    for _ in range(steps):
-        core.step()
+    core.runner.attention = timed(parts["attention"], core.runner.attention)
+    gather_inputs = runner_module._gather_inputs
+    runner_module._gather_inputs = timed(parts["inputs"], gather_inputs)
+    try:
+        for _ in range(3):  # warm up the async pipeline
+            core.step()
+        for seconds in parts.values():
+            seconds.clear()
+        for _ in range(steps):
+            core.step()
+    finally:
+        runner_module._gather_inputs = gather_inputs
     median = {name: 1000 * statistics.median(seconds) for name, seconds in parts.items()}
     median["outputs"] = median.pop("complete") - median["update"]
     return median
@@ -91,7 +100,7 @@ def main() -> None:
         f = figures[f"b{batch}_ms"] = measure(batch, args.steps, args.detokenize)
         print(
             f"B={batch:5d}  schedule {f['schedule']:6.2f}  update {f['update']:6.2f}  outputs {f['outputs']:6.2f}"
-            f"  (model step {f['model']:7.1f}) ms",
+            f"  (model step {f['model']:7.1f}, of which inputs {f['inputs']:5.2f}, attention {f['attention']:5.2f}) ms",
             flush=True,
         )
     goal = {"schedule_plus_update_ms_at_1024": "<= 0.5 (issue 17's scheduler goal, bench.sched)"}
