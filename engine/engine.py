@@ -350,7 +350,7 @@ class EngineCore:
         for request_id, by_position in result.prompt_logprobs.items():
             if request_id in self._live:  # a recomputed prompt keeps the logprobs of its first pass
                 self._live[request_id].prompt_logprobs = by_position | self._live[request_id].prompt_logprobs
-        self.metrics.on_tokens(touched)
+        self.metrics.on_tokens(len(touched), self.scheduler.token_timing)
         outputs = []
         logprobs = result.logprobs
         for req in touched:

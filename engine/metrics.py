@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
+from superinfer.engine.core.token_timing import TokenTiming
 from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, p99_gap, slo_lag_seconds
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class TokenHistogram:
         self.series: dict[tuple[str, ...], list[float]] = {}  # label values -> bucket counts, then the sum
         registry.register(self)
 
-    def observe_all(self, labels: tuple[str, ...], values: Sequence[float]) -> None:
+    def observe_all(self, labels: tuple[str, ...], values: Sequence[float] | np.ndarray) -> None:
         """Count each value (a step's tokens) into its bucket, the first whose bound is >= it."""
         counts = self.series.get(labels)
         if counts is None:
@@ -78,7 +78,7 @@ class TokenHistogram:
         hits = np.bincount(np.searchsorted(self.bounds, values), minlength=len(self.les))
         for bucket in np.flatnonzero(hits).tolist():
             counts[bucket] += int(hits[bucket])
-        counts[-1] += sum(values)
+        counts[-1] += float(np.sum(values))
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -244,27 +244,21 @@ class EngineMetrics:
         self._compat("waiting", "set", sched.num_waiting)
         self._compat("kv", "set", kv.usage)
 
-    def on_tokens(self, reqs: Sequence[Request]) -> None:
-        """Requests that emitted a token in one step: each one's first (TTFT) or its newest gap
-        between tokens."""
-        self._c("generation_tokens").inc(len(reqs))
-        self._compat("generation", "inc", len(reqs))
-        gaps: defaultdict[str, list[float]] = defaultdict(list)  # each request's newest gap, by SLO class
-        for req in reqs:
-            newest = req.token_gaps
-            if newest:
-                gaps[req.slo_class].append(newest[-1])
-                continue
+    def on_tokens(self, num_tokens: int, timing: TokenTiming) -> None:
+        """One update's tokens: the first of some requests (TTFT), the gaps before the others."""
+        self._c("generation_tokens").inc(num_tokens)
+        self._compat("generation", "inc", num_tokens)
+        for req in timing.first:
             ttft = req.t_first_token - req.arrival_time
             self._child(self.ttft, req.slo_class).observe(ttft)
             self._compat("ttft", "observe", ttft)
             self._child(self.queue).observe(req.t_scheduled - req.arrival_time)
             self._c("prompt_tokens").inc(req.num_prompt_tokens)
             self._compat("prompt", "inc", req.num_prompt_tokens)
-        for slo_class, values in gaps.items():
-            self.tbt.observe_all((self.model_name, slo_class), values)
+        for slo_class, gaps in timing.gaps().items():
+            self.tbt.observe_all((self.model_name, slo_class), gaps)
             if self.itl is not None:
-                self.itl.observe_all((self.model_name,), values)
+                self.itl.observe_all((self.model_name,), gaps)
 
     def on_finish(self, req: Request, now: float) -> None:
         """A request ended: its latency, and its SLO verdict (TBT by the p99 of its token gaps)."""

@@ -172,7 +172,16 @@ def plan_digest(plan: StepPlan) -> tuple:
     )
 
 
-def state_digest(s: Scheduler) -> tuple:
+def token_gaps(r: Request, flush: bool) -> list[float]:
+    """The request's token_gaps: read as users do (emptying its batch tail into the list), or put
+    together from its list and the tail, leaving the tail as it is."""
+    b = r._batch
+    if flush or b is None:
+        return r.token_gaps
+    return r._token_gaps + b.gap_tail[r._slot, : b.tail_gaps[r._slot]].tolist()
+
+
+def state_digest(s: Scheduler, flush: bool = True) -> tuple:
     def req(r: Request) -> tuple:
         return (
             r.request_id,
@@ -185,7 +194,7 @@ def state_digest(s: Scheduler) -> tuple:
             r.cpu_tail,
             r.last_step,
             r.step_before_last,
-            r.token_gaps,
+            token_gaps(r, flush),
             r.max_gap_s,
             r.t_first_token,
             r.t_last_token,
@@ -226,9 +235,11 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
     fast_policy, ref_policy = policy_pair(kind, gpu_blocks, xfer)
     fast = Scheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), fast_policy, clocks[0])
     fast.rows_per_vector = rows_per_vector
+    fast.batch = RunningBatch(tail=(1, 3, 64)[seed % 3])  # how many gaps a slot holds before its list gets them
     ref = ReferenceScheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), ref_policy, clocks[1])
     both = (fast, ref)
     in_flight_limit = rng.choice([0, 1])  # synchronous, or async scheduling (one step in flight)
+    flush = seed // len(POLICIES) // 2 % 2 == 1  # the checks read token_gaps (else peek at the batch's tails)
     prefixes = [[rng.randrange(3, 50) for _ in range(rng.randint(1, 40))] for _ in range(4)]
     in_flight: list[list[StepPlan]] = []
     handed_out: list[tuple[StepPlan, tuple]] = []
@@ -254,8 +265,9 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
             )
             slo = SLO(ttft_ms=rng.choice([50, 500, 5000]), tbt_ms=rng.choice([5, 50, 500]))
             priority = rng.choice([0, 0, 1])
+            cls = ("interactive", "batch", "interactive")[next_id % 3]  # (metrics group gaps by it)
             for s in both:
-                req = Request(f"q{next_id}", list(prompt), sampling, s.clock(), frozenset({eos}), slo, priority)
+                req = Request(f"q{next_id}", list(prompt), sampling, s.clock(), frozenset({eos}), slo, priority, cls)
                 with contextlib.suppress(ValueError):  # larger than the pool
                     s.add(req)
             next_id += 1
@@ -273,17 +285,29 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
             sampled = {rid: rng.choice([eos, 7, 8, 9, 9, rng.randrange(3, 50)]) for rid in plans[0].sampled_ids()}
             fast_tokens = tokens_for(plans[0], sampled)  # as a list, or as the runner hands them over
             fast_tokens = np.array(fast_tokens, dtype=np.int64) if seed // len(POLICIES) % 2 else fast_tokens
-            touched = [
-                sorted(r.request_id for r in s.update(plan, sampled if s is ref else fast_tokens))
-                for s, plan in zip(both, plans, strict=True)
-            ]
-            assert touched[0] == touched[1]
-        assert state_digest(fast) == state_digest(ref)
+            touched = fast.update(plans[0], fast_tokens)
+            assert sorted(r.request_id for r in touched) == sorted(r.request_id for r in ref.update(plans[1], sampled))
+            check_token_timing(fast, touched, flush)
+        assert state_digest(fast, flush) == state_digest(ref)
         check_swap_in_index(fast)
-        check_running_batch(fast)
+        check_running_batch(fast, flush)
     # Plans share block tables with their requests: none changed after it was handed out.
     assert all(plan_digest(plan) == digest for plan, digest in handed_out)
     return fast
+
+
+def check_token_timing(s: Scheduler, touched: list[Request], flush: bool) -> None:
+    """What the update timed for the metrics: the first token of the requests that have no gap
+    yet, and the newest gap of every other request that got a token."""
+    gaps = {r.request_id: token_gaps(r, flush) for r in touched}
+    assert sorted(r.request_id for r in s.token_timing.first) == sorted(rid for rid, g in gaps.items() if not g)
+    timed: dict[str, list[float]] = {}
+    for r in touched:
+        if gaps[r.request_id]:
+            timed.setdefault(r.slo_class, []).append(gaps[r.request_id][-1])
+    assert {cls: sorted(g.tolist()) for cls, g in s.token_timing.gaps().items()} == {
+        cls: sorted(g) for cls, g in timed.items()
+    }
 
 
 def check_swap_in_index(s: Scheduler) -> None:
@@ -298,14 +322,16 @@ def check_swap_in_index(s: Scheduler) -> None:
     assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
 
 
-def check_running_batch(s: Scheduler) -> None:
+def check_running_batch(s: Scheduler, flush: bool = True) -> None:
     """The running batch holds exactly the running requests, in order, and what it mirrors of
     each is current; the others keep their counters in themselves."""
     b = s.batch
     assert b.order.tolist() == [r._slot for r in s.running] and all(r._batch is b for r in s.running)
     for r in s.running:
         slot = r._slot
-        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids and b.gap_lists[slot] is r.token_gaps
+        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids and b.gap_lists[slot] is r._token_gaps
+        assert 0 <= b.tail_gaps[slot] < b.gap_tail.shape[1]
+        assert b.slo_classes[b.slo_class[slot]] == r.slo_class
         mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.written[slot], b.limit[slot])
         assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), len(r.cpu_block_ids), r.length_limit)
         assert b.tbt_ms[slot] == r.slo.tbt_ms

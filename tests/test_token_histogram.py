@@ -4,12 +4,14 @@ step's tokens."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from superinfer.engine import contract as c
 from superinfer.engine.core.request import Request, SamplingParams
+from superinfer.engine.core.token_timing import TokenTiming
 from superinfer.engine.metrics import EngineMetrics, TokenHistogram
 from superinfer.engine.slo import SLO
 
@@ -48,20 +50,19 @@ def test_exposes_what_prometheus_clients_histogram_exposes(at_once):
 
 def test_one_call_per_step_counts_first_tokens_and_gaps_per_class():
     metrics = EngineMetrics("m", SLO(), {}, vllm_compat=True, classes={"interactive": SLO(), "batch": SLO()})
-    first, later = (
-        Request(rid, [1, 2], SamplingParams(), arrival_time=0.0, slo_class=cls)
-        for rid, cls in (("a", "interactive"), ("b", "batch"))
-    )
+    first = Request("a", [1, 2], SamplingParams(), arrival_time=0.0, slo_class="interactive")
     first.t_scheduled, first.t_first_token = 0.1, 0.3
-    later.t_scheduled, later.t_first_token, later.token_gaps = 0.0, 0.2, [0.05, 0.25]
-    metrics.on_tokens([first, later])
+    timing = TokenTiming()  # an update: "a"'s first token, and a token of a "batch" request 0.25 s after its last
+    timing.first.append(first)
+    timing.add_gaps("batch", np.array([0.25]))
+    metrics.on_tokens(2, timing)
 
     def value(name: str, **labels: str) -> float | None:
         return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
 
     assert value(c.metric("generation_tokens_total")) == 2
     assert value(c.metric("time_to_first_token_seconds_sum"), slo_class="interactive") == pytest.approx(0.3)
-    assert value(c.metric("time_between_tokens_seconds_count"), slo_class="batch") == 1  # the newest gap only
+    assert value(c.metric("time_between_tokens_seconds_count"), slo_class="batch") == 1
     assert value(c.metric("time_between_tokens_seconds_sum"), slo_class="batch") == pytest.approx(0.25)
     assert value(c.metric("time_between_tokens_seconds_count"), slo_class="interactive") is None
     assert value("vllm:inter_token_latency_seconds_sum") == pytest.approx(0.25)

@@ -123,7 +123,7 @@ class Request:
     finish_reason: FinishReason | None = None
     t_first_token: float | None = None
     t_run: float | None = None  # last time it entered RUNNING
-    token_gaps: list[float] = field(default_factory=list)  # seconds between its output tokens
+    _token_gaps: list[float] = field(default_factory=list, init=False, repr=False)  # token_gaps
     t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
     token_ids: list[int] = field(init=False)  # prompt, then output (output_token_ids: a copy of the latter)
     # Tokens at which it ends by length: max_tokens out, or the context length once the scheduler
@@ -227,6 +227,15 @@ class Request:
             self._max_gap_s = value
         else:
             batch.max_gap[self._slot] = value
+
+    @property
+    def token_gaps(self) -> list[float]:
+        """Seconds between its output tokens. While it runs, the newest wait in its slot's tail in
+        the RunningBatch, which reading them empties first."""
+        batch = self._batch
+        if batch is not None and batch.tail_gaps[self._slot]:
+            batch.flush_slot(self._slot)
+        return self._token_gaps
 
     @property
     def num_tokens(self) -> int:

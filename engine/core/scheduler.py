@@ -36,6 +36,7 @@ from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
+from superinfer.engine.core.token_timing import TokenTiming
 
 _arrival = attrgetter("arrival_time")
 # Full blocks are written through to the CPU tier only while less than this share of the GPU pool
@@ -194,6 +195,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.batch = RunningBatch()  # the running requests' counters, in running order
+        self.token_timing = TokenTiming()  # what the last update timed (for the metrics)
         # Scans and updates of fewer rows go one row at a time: numpy's cost per call (a scan
         # makes ~40 calls) exceeds the loop's below a few dozen rows.
         self.rows_per_vector = ROWS_PER_VECTOR
@@ -549,7 +551,8 @@ class Scheduler:
     def update(self, plan: StepPlan, tokens: Sequence[int] | np.ndarray) -> list[Request]:
         """The step has completed (compute and copies): apply its sampled tokens, in the order of
         `plan.sampled_ids()` (an int64 array, as the runner returns them, or any sequence), and
-        retire its quarantine. Returns the requests that got a token or finished.
+        retire its quarantine. Returns the requests that got a token or finished; `token_timing`
+        then holds which of them got their first token, and the gaps before the others' tokens.
 
         A request that was rotated out or preempted since the step was planned still gets its
         token; one that finished since (abort, stop string, EOS) drops it."""
@@ -557,6 +560,7 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id} samples {plan.num_sampled} tokens, got {len(tokens)}")
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
+        self.token_timing = TokenTiming()
         token_array = tokens if isinstance(tokens, np.ndarray) else None
         if token_array is not None:
             tokens = token_array.tolist()
@@ -592,9 +596,11 @@ class Scheduler:
             batch.last_token[req._slot] = token
         if req.t_first_token is None:
             req.t_first_token = now
+            self.token_timing.first.append(req)
         else:
             gap = now - req.t_last_token
             req.token_gaps.append(gap)
+            self.token_timing.add_gap(req.slo_class, gap)
             if gap > req.max_gap_s:
                 lost_now = req.status is RequestStatus.ROTARY and gap * 1000.0 > req.slo.tbt_ms and not req.tbt_missed
                 req.max_gap_s = gap
@@ -611,10 +617,11 @@ class Scheduler:
         """_apply_token for each decode row (`tokens`: theirs, in row order; `token_array`: the
         same as int64, if at hand); returns the rows' requests that got their token. The bulk of
         update() at thousands of requests: the rows whose request still runs in the slot it was
-        planned in (nearly all) get their counters in columns and their tokens appended in bulk,
-        and the blocks they fill committed in one call; what may end a request (a row whose
-        token may stop it, one whose request left its slot since planning: it was rotated out,
-        preempted or finished) is done one row at a time, in row order."""
+        planned in (nearly all) get their counters in columns, their tokens appended in bulk and
+        their gaps into the batch's tails, and the blocks they fill committed in one call; what
+        may end a request (a row whose token may stop it, one whose request left its slot since
+        planning: it was rotated out, preempted or finished) is done one row at a time, in row
+        order."""
         reqs = submitted.decoded
         if not reqs:
             return []
@@ -637,12 +644,16 @@ class Scheduler:
         t_prev = b.np_t_last[slots]  # NaN: its first token
         gaps = now - t_prev
         timed = ~np.isnan(t_prev)
-        if np.count_nonzero(timed) == len(timed):
-            deque(map(list.append, b.gap_lists[slots].tolist(), gaps.tolist()), maxlen=0)
-        else:
+        timed_slots, timed_gaps = slots, gaps
+        if np.count_nonzero(timed) != len(timed):
             for k in np.flatnonzero(~timed).tolist():
                 live[k].t_first_token = now
-            deque(map(list.append, b.gap_lists[slots[timed]].tolist(), gaps[timed].tolist()), maxlen=0)
+                self.token_timing.first.append(live[k])
+            timed_slots, timed_gaps = slots[timed], gaps[timed]
+        if len(timed_slots):
+            b.add_gaps(timed_slots, timed_gaps)
+            for slo_class, class_gaps in b.by_class(timed_slots, timed_gaps):
+                self.token_timing.add_gaps(slo_class, class_gaps)
         # Running, so its TBT cannot be lost now (that is checked for the rotary: Request.tbt_missed).
         b.np_max_gap[slots] = np.fmax(b.np_max_gap[slots], gaps)
         b.np_t_last[slots] = now
@@ -694,9 +705,11 @@ class Scheduler:
             t = t_last[slot]
             if t != t:  # NaN: its first token
                 req.t_first_token = now
+                self.token_timing.first.append(req)
             else:
                 gap = now - t
                 req.token_gaps.append(gap)
+                self.token_timing.add_gap(req.slo_class, gap)
                 if gap > max_gap[slot]:
                     max_gap[slot] = gap  # (running: its TBT cannot be lost now, see _apply_decodes)
             t_last[slot] = now
