@@ -329,7 +329,7 @@ def check_running_batch(s: Scheduler, flush: bool = True) -> None:
     assert b.order.tolist() == [r._slot for r in s.running] and all(r._batch is b for r in s.running)
     for r in s.running:
         slot = r._slot
-        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids and b.gap_lists[slot] is r._token_gaps
+        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids
         assert 0 <= b.tail_gaps[slot] < b.gap_tail.shape[1]
         assert b.slo_classes[b.slo_class[slot]] == r.slo_class
         mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.written[slot], b.limit[slot])

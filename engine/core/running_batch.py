@@ -56,8 +56,8 @@ _COLUMNS = {
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 
 
-# Each running request, what its plan rows share, and the lists its tokens and their gaps are appended to.
-_OBJECTS = ("requests", "request_ids", "samplings", "prompts", "token_lists", "gap_lists")
+# Each running request, what its plan rows share, and the lists its tokens are appended to.
+_OBJECTS = ("requests", "request_ids", "samplings", "prompts", "token_lists")
 
 
 class RunningBatch:
@@ -66,15 +66,14 @@ class RunningBatch:
     Each counter column is an `array.array` (the Request properties index it: a plain Python
     int, fast) under a numpy view of the same memory (`np_<column>`: the vector operations). The
     object columns (`requests`, `request_ids`, `samplings`, `prompts`, `token_lists`: each
-    request's `token_ids`, `gap_lists`: its `token_gaps`) are numpy object arrays: a plan's or an
-    update's rows gather them by an array of slots."""
+    request's `token_ids`) are numpy object arrays: a plan's or an update's rows gather them by an
+    array of slots."""
 
     requests: np.ndarray  # of Request | None
     request_ids: np.ndarray  # of str | None
     samplings: np.ndarray  # of SamplingParams | None
     prompts: np.ndarray  # of list[int] | None
     token_lists: np.ndarray  # of list[int] | None
-    gap_lists: np.ndarray  # of list[float] | None
 
     def __init__(self, capacity: int = 64, tail: int = 64) -> None:
         self.gap_tail = np.zeros((0, tail), dtype=np.float64)  # by slot: its newest gaps
@@ -123,7 +122,7 @@ class RunningBatch:
 
     def flush_slot(self, slot: int) -> None:
         """Move the slot's tail into its request's gap list."""
-        self.gap_lists[slot].extend(self.gap_tail[slot, : self.tail_gaps[slot]].tolist())
+        self.requests[slot]._token_gaps.extend(self.gap_tail[slot, : self.tail_gaps[slot]].tolist())
         self.tail_gaps[slot] = 0
 
     def by_class(self, slots: np.ndarray, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -170,7 +169,7 @@ class RunningBatch:
                 self.stop_tokens = list(counts)
         self.requests[slot], self.request_ids[slot] = req, req.request_id
         self.samplings[slot], self.prompts[slot] = req.sampling, req.prompt_token_ids
-        self.token_lists[slot], self.gap_lists[slot] = req.token_ids, req._token_gaps
+        self.token_lists[slot] = req.token_ids
         req._batch, req._slot = self, slot
         self.order = np.concatenate((self.order, (slot,)))
 
