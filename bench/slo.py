@@ -13,8 +13,11 @@ is used with dummy weights of a real architecture.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 from pathlib import Path
+
+import torch
 
 from superinfer.bench.goodput import summarize
 from superinfer.bench.record import write_result
@@ -100,6 +103,12 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}",
         flush=True,
     )
+    # The next point's engine sizes its KV cache from the device memory free after loading.
+    core.close()
+    del core
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return report
 
 

