@@ -6,13 +6,21 @@ import contextlib
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
+
+def results_dir() -> Path:
+    """Where records go: $SUPERINFER_RESULTS_DIR, else the checkout's bench/results when run from a
+    checkout's root, else the folder beside this file (an installed package's, only as a last resort)."""
+    if env := os.environ.get("SUPERINFER_RESULTS_DIR"):
+        return Path(env).resolve()
+    checkout = Path.cwd() / "bench" / "results"
+    return checkout if checkout.is_dir() else Path(__file__).parent / "results"
 
 
 def device_name(device: str) -> str:
@@ -72,8 +80,9 @@ def write_result(
         "goal": goal,
         **(extra or {}),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    folder = results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
     slug = name.lower().replace(" ", "-")
-    path = RESULTS / f"{'-'.join(filter(None, (bench, tag, slug)))}-{dt.date.today().isoformat()}.json"
+    path = folder / f"{'-'.join(filter(None, (bench, tag, slug)))}-{dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path

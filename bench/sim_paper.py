@@ -20,7 +20,7 @@ import dataclasses
 import time
 from typing import Any
 
-from superinfer.bench.record import RESULTS, write_result
+from superinfer.bench.record import results_dir, write_result
 from superinfer.engine.slo import SLO
 from superinfer.sim.config import SimConfig
 from superinfer.sim.plot import plot_sweep
@@ -82,14 +82,15 @@ def main() -> None:
     workload = WorkloadSpec(duration_s=args.duration, seed=args.seed, slo=SLO(5000.0, 100.0))
     t0 = time.perf_counter()
     figures: dict[str, Any] = {"profiles": {}}
+    results = results_dir()
     for profile in PROFILES:
         base = SimConfig(model=args.model, hardware=profile, gpu_kv_gib=args.gpu_kv_gib)
         sweep = sweep_profile(base, workload, variants(POLICIES, []), rates, args.jobs)
-        plot = plot_sweep(sweep, RESULTS / f"sim-paper{suffix}-{profile}.png", f"{args.model} on {profile} (simulated)")
+        plot = plot_sweep(sweep, results / f"sim-paper{suffix}-{profile}.png", f"{args.model} on {profile} (simulated)")
         figures["profiles"][profile] = {
             "points": sweep.points,
             "top_rate": headline(sweep.points),
-            "plot": str(plot.relative_to(RESULTS.parent.parent)),
+            "plot": str(plot.relative_to(results.parent.parent)),
         }
         print(f"{profile} top rate, rotary vs fcfs: {figures['profiles'][profile]['top_rate']}", flush=True)
     if args.ablations:

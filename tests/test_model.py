@@ -339,6 +339,8 @@ PUBLIC_PARAM_COUNTS = {  # from the model cards / safetensors index totals
 
 def test_presets_listed() -> None:
     assert list_presets() == ["tiny", *sorted(PUBLIC_PARAM_COUNTS)]
+    # every listed name has a config (bench.copy and the simulator take one by name)
+    assert preset_config("tiny") == load_model("tiny", device="meta").config
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_PARAM_COUNTS))

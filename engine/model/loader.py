@@ -33,7 +33,7 @@ from superinfer.engine.download import (
 from .config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from .decoder import DecoderLM, init_random_weights
 from .sharding import TensorParallel, check_fits
-from .tiny import ensure_tiny_model
+from .tiny import ensure_tiny_model, tiny_config_dict
 
 PRESETS_DIR = Path(__file__).with_name("presets")
 TINY = "tiny"
@@ -56,6 +56,8 @@ def list_presets() -> list[str]:
 
 
 def preset_config(name: str) -> ModelConfig:
+    if name == TINY:
+        return ModelConfig.from_dict(tiny_config_dict())
     file = PRESETS_DIR / f"{name}.json"
     if not file.is_file():
         raise FileNotFoundError(f"unknown preset {name!r}; presets: {', '.join(list_presets())}")
