@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
 import random
 import statistics
 import sys
@@ -171,28 +172,42 @@ def time_configs(
     grid: dict[str, Sequence[int]],
     prepare: Callable[[], Launch],
     rate: Callable[[float], str],
+    rounds: int = 7,
 ) -> dict[str, float]:
     """The launch `prepare()` builds (host metadata outside the timing) timed under each
     combination of `module`'s launch constants in `grid`; one that fails to compile (shared
-    memory, registers) or differs from the default's output is reported, not kept."""
+    memory, registers) or differs from the default's output is reported, not kept. The kept ones
+    are timed in `rounds` rounds, each in a new random order, and each reports its median over the
+    rounds: one configuration timed twice a few seconds apart differed by 15% on an H100, more than
+    the best few differ, so back-to-back timing would pick noise."""
     expected = prepare()()
-    figures: dict[str, float] = {}
+    configs: dict[str, dict[str, int]] = {}
     for values in itertools.product(*grid.values()):
         config = dict(zip(grid, values, strict=True))
         name = f"sweep_{kind}_" + "_".join(f"{k.lower()}{v}" for k, v in config.items())
         try:
             with launch_config(module, **config):
-                launch = prepare()
-                torch.testing.assert_close(launch(), expected, atol=2e-2, rtol=2e-2)
-                us = cuda_time_us(launch)
+                torch.testing.assert_close(prepare()(), expected, atol=2e-2, rtol=2e-2)
         except Exception as e:
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
             continue
-        figures[f"{name}_us"] = us
-        print(f"{name}: {us:8.1f} us, {rate(us)}", flush=True)
+        configs[name] = config
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    order = list(configs)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            with launch_config(module, **configs[name]):
+                times[name].append(cuda_time_us(prepare(), warmup=2, iters=10))
+    figures: dict[str, float] = {}
+    for name, t in times.items():
+        us = figures[f"{name}_us"] = statistics.median(t)
+        print(f"{name}: {us:8.1f} us, {rate(us)} (rounds {min(t):.0f}-{max(t):.0f} us)")
+    default = f"sweep_{kind}_" + "_".join(f"{k.lower()}{getattr(module, k)}" for k in grid) + "_us"
     best = min(figures, key=figures.__getitem__, default=None)
     if best is not None:
-        print(f"fastest {kind}: {best} {figures[best]:.1f} us")
+        print(f"fastest {kind}: {best} {figures[best]:.1f} us; the default: {figures.get(default, math.nan):.1f} us")
     return figures
 
 
