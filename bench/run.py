@@ -35,7 +35,20 @@ GPU = [
     ["bench.copy", "--device", "cuda"],
     ["bench.peer", "--model", "llama-3-8b", "--device", "cuda", "--dtype", "bfloat16", "--prompts", "128"],
     ["bench.sampler", "--device", "cuda", "--shapes", "256x128256,1024x128256"],
-    ["bench.slo", "--device", "cuda", "--duration", "30", "--gpu-memory-utilization", "0.3"],
+    # one overloaded rate, both policies: each point builds an engine (~1 minute on an H100 with the drain)
+    [
+        "bench.slo",
+        "--device",
+        "cuda",
+        "--policies",
+        "fcfs,rotary",
+        "--rates",
+        "45",
+        "--duration",
+        "15",
+        "--gpu-memory-utilization",
+        "0.3",
+    ],
     ["bench.attn", "--batches", "64", "--contexts", "2048", "--prefill", "4096", "--sweep"],
 ]
 

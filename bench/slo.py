@@ -87,8 +87,12 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
             or 0.0
         )
         report[f"swap_gb_s_{direction}"] = moved / duration / 1e9
+    graphs = core.runner.graphs
     report.update(
         rate=rate,
+        steps=len(copies),
+        # on a GPU, the decode-only steps replayed as CUDA graphs; the rest (prefill chunks) ran op by op
+        graph_step_share=graphs.replays / max(1, len(copies)) if graphs is not None else 0.0,
         rotations=counters.rotations,
         rotations_per_request=counters.rotations / max(1.0, report["requests"]),
         recomputes=counters.preemptions["recompute"],
@@ -100,7 +104,8 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         f"{report['tbt_attainment']:.2f}  goodput {report['goodput_share']:.2f} ({report['goodput_rps']:.2f} req/s)  "
         f"TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput {report['throughput_tok_s']:.0f} tok/s  "
         f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)  "
-        f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}",
+        f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}  "
+        f"graph steps {report['graph_step_share']:.0%} of {len(copies)}",
         flush=True,
     )
     # The next point's engine sizes its KV cache from the device memory free after loading.
