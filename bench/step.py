@@ -3,6 +3,9 @@
 Decode: B requests at a given context length; the time per step against the roofline
 (weight bytes + KV bytes read) / measured HBM bandwidth: with async scheduling and CUDA graphs
 (the defaults on a GPU), without the graphs (`_eager`), and without async scheduling (`_sync`).
+Mixed: the same decodes with a new prompt of --mixed-chunk tokens arriving before each step, the
+shape of a step under a steady stream of arrivals (the graphs cover decode-only steps: a mixed step
+runs op by op), against the decode step.
 Prefill: tokens per second and the share of bf16 peak (2 x active parameters x tokens FLOPs).
 
     python -m bench.step --device cuda --model llama-3-8b [--batches 1,16,64,256] [--context 2048]
@@ -47,11 +50,15 @@ def hbm_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def decode(core: EngineCore, batch: int, context: int, steps: int, async_scheduling: bool) -> tuple[float, float]:
+def decode(
+    core: EngineCore, batch: int, context: int, steps: int, async_scheduling: bool, chunk: int = 0
+) -> tuple[float, float]:
     """(seconds per step, mean context) of `steps` decode steps with all `batch` requests decoding
     (wall time over the steps: with async scheduling the host's work hides behind the GPU's). The
     prompts of `context` tokens are prefilled first, untimed (those done first decode meanwhile:
-    contexts differ by a few tokens), and the requests are aborted after the timed steps."""
+    contexts differ by a few tokens), and the requests are aborted after the timed steps. With
+    `chunk`, a new `chunk`-token prompt arrives before each timed step, so each step is mixed: the
+    decodes and a prefill (the shape of a step under a steady stream of arrivals)."""
     rng = random.Random(batch)
     vocab = core.model_config.vocab_size
     ids = [f"d{batch}-{i}" for i in range(batch)]
@@ -64,8 +71,11 @@ def decode(core: EngineCore, batch: int, context: int, steps: int, async_schedul
     core.async_scheduling = async_scheduling
     mean_context = statistics.mean(r.num_tokens for r in core.scheduler.requests.values()) + steps / 2
     sync(core.device)
+    arrivals = SamplingParams(max_tokens=1, temperature=0)
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
+        if chunk:
+            core.add_request(f"m{batch}-{i}", [rng.randrange(vocab) for _ in range(chunk)], arrivals)
         core.step()
     sync(core.device)
     seconds = (time.perf_counter() - t0) / steps
@@ -99,6 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--mixed-chunk", type=int, default=256, help="prompt tokens beside each mixed step's decodes")
     args = parser.parse_args()
     device = torch.device(args.device)
     core = EngineCore(
@@ -122,7 +133,8 @@ def main() -> None:
     decode(core, 2, 64, 2, True)  # warm-up: every kernel compiled before anything is timed
     for b in (int(x) for x in args.batches.split(",")):
         prefill_steps = -(-b * args.context // core.scheduler.config.max_num_batched_tokens)
-        if core.kv.blocks_for(args.context + prefill_steps + args.steps + 4) * b > core.kv.num_blocks:
+        arrivals = 2 * core.kv.blocks_for(args.mixed_chunk) if args.mixed_chunk else 0  # done the step after
+        if core.kv.blocks_for(args.context + prefill_steps + args.steps + 4) * b + arrivals > core.kv.num_blocks:
             print(f"B={b}: does not fit in {core.kv.num_blocks} KV blocks, skipped")
             continue
         # (async scheduling, CUDA graphs): the default, without graphs, and synchronous
@@ -141,7 +153,16 @@ def main() -> None:
                 f"{b / seconds:9.0f} tok/s  roofline share {bound / seconds:.2f}",
                 flush=True,
             )
-    core.runner.graphs = graphs
+        core.runner.graphs = graphs
+        if args.mixed_chunk:
+            seconds, _ = decode(core, b, args.context, args.steps, True, args.mixed_chunk)
+            figures[f"mixed_b{b}_ms"] = 1000 * seconds
+            figures[f"mixed_b{b}_over_decode"] = 1000 * seconds / figures[f"decode_b{b}_ms"]
+            print(
+                f"mixed  B={b:4d} + {args.mixed_chunk}-token prompt: {1000 * seconds:8.2f} ms/step "
+                f"({figures[f'mixed_b{b}_over_decode']:.2f}x the decode step)",
+                flush=True,
+            )
     seconds = prefill(core, args.prefill_tokens)
     flops = 2 * mc.num_active_params() * args.prefill_tokens  # MoE: the top-k experts
     figures["prefill_tok_s"] = args.prefill_tokens / seconds
@@ -157,6 +178,7 @@ def main() -> None:
         "dtype": str(core.dtype).split(".")[-1],
         "attention": core.runner.attention_backend,
         "cuda_graphs": graphs is not None,
+        "mixed_chunk": args.mixed_chunk,
     }
     print(f"wrote {write_result('step', args.device, figures, goal, extra)}")
 
