@@ -31,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from superinfer.kernels import block_copy, kv_write, paged_decode, paged_prefill
+from superinfer.kernels import block_copy, kv_write, paged_decode, paged_prefill, rms_norm, silu_mul
 
 KERNELS = [
     (paged_decode, "_decode_kernel"),
@@ -39,6 +39,8 @@ KERNELS = [
     (paged_prefill, "_prefill_kernel"),
     (kv_write, "_kv_write_kernel"),
     (block_copy, "_block_copy_kernel"),
+    (rms_norm, "_rms_norm_kernel"),
+    (silu_mul, "_silu_mul_kernel"),
 ]
 TYPES = {
     torch.bfloat16: "bf16",
@@ -49,7 +51,7 @@ TYPES = {
     torch.int16: "i16",
     torch.uint8: "u8",
 }
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, HIDDEN, INTERMEDIATE = 32, 8, 128, 16, 4096, 14336
 
 
 @dataclass
@@ -121,7 +123,7 @@ def resources(compiled: Any) -> str:
 
 def engine_launches(dtype: torch.dtype) -> list[Launch]:
     """One step's launches at Llama-3-8B shapes: KV write, decodes (one split and several),
-    extends, and block gather and scatter."""
+    extends, block gather and scatter, the norms (hidden and per head) and the MLP activation."""
     keys = 2 * paged_decode.BLOCK_N  # the longer sequence's context: one split, or two
     per_seq = keys // BLOCK_SIZE
     cache = torch.zeros(2 * per_seq, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
@@ -141,6 +143,9 @@ def engine_launches(dtype: torch.dtype) -> list[Launch]:
         block_ids = torch.tensor([3, 5], dtype=torch.int32)
         block_copy.gather_blocks(cache, block_ids, staging)
         block_copy.scatter_blocks(staging, cache, block_ids)
+        rms_norm.rms_norm(torch.zeros(6, HIDDEN, dtype=dtype), torch.ones(HIDDEN, dtype=dtype), 1e-5)
+        rms_norm.rms_norm(q, torch.ones(HEAD_DIM, dtype=dtype), 1e-6)
+        silu_mul.silu_mul(torch.zeros(6, 2 * INTERMEDIATE, dtype=dtype))
     return launches
 
 

@@ -12,7 +12,7 @@ one to one. With tensor parallelism (sharding.py) each rank builds only its part
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -110,13 +110,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+NormKernel = Callable[[Tensor, Tensor, float], Tensor]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, **factory: Any) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.eps = eps
+        self.kernel: NormKernel | None = None  # a fused kernel with this forward's roundings (use_kernels)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the same bits, fewer calls
         # Normalise in float32, round to the input dtype, then scale: the HF order, so bf16 matches.
@@ -224,16 +230,21 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
         h, i, bias = cfg.hidden_size, tp.split(cfg.intermediate_size), cfg.mlp_bias
         self.gate_up_proj = FusedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias, **factory)
         self.down_proj = RowParallelLinear(i, h, bias, tp, **factory)
+        self.act: Callable[[Tensor], Tensor] = silu_and_mul  # or a fused kernel (use_kernels)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -280,6 +291,16 @@ class DecoderLM(nn.Module):
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tp, **factory)
         self.rotary = RotaryEmbedding(cfg, device=device)
         self.tie_weights()
+
+    def use_kernels(self, rms_norm: NormKernel, silu_mul: Callable[[Tensor], Tensor]) -> None:
+        """Fused kernels for every RMSNorm and dense MLP activation (the runner passes the Triton
+        ones on CUDA): one launch each where op by op they take eight and three, which on a GPU
+        costs host time op by op and a gap per kernel inside a CUDA graph."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = rms_norm
+            elif isinstance(module, MLP):
+                module.act = silu_mul
 
     def tie_weights(self) -> None:
         """Share lm_head with the embeddings when the config ties them (again after to_empty)."""
