@@ -31,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from superinfer.kernels import block_copy, kv_write, paged_decode, paged_prefill, rms_norm, silu_mul
+from superinfer.kernels import block_copy, kv_write, paged_decode, paged_prefill, rms_norm, rope, silu_mul
 
 KERNELS = [
     (paged_decode, "_decode_kernel"),
@@ -41,6 +41,7 @@ KERNELS = [
     (block_copy, "_block_copy_kernel"),
     (rms_norm, "_rms_norm_kernel"),
     (silu_mul, "_silu_mul_kernel"),
+    (rope, "_rope_kernel"),
 ]
 TYPES = {
     torch.bfloat16: "bf16",
@@ -123,7 +124,7 @@ def resources(compiled: Any) -> str:
 
 def engine_launches(dtype: torch.dtype) -> list[Launch]:
     """One step's launches at Llama-3-8B shapes: KV write, decodes (one split and several),
-    extends, block gather and scatter, the norms (hidden and per head) and the MLP activation."""
+    extends, block gather and scatter, the norms (hidden and per head), the MLP activation and RoPE."""
     keys = 2 * paged_decode.BLOCK_N  # the longer sequence's context: one split, or two
     per_seq = keys // BLOCK_SIZE
     cache = torch.zeros(2 * per_seq, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
@@ -146,6 +147,8 @@ def engine_launches(dtype: torch.dtype) -> list[Launch]:
         rms_norm.rms_norm(torch.zeros(6, HIDDEN, dtype=dtype), torch.ones(HIDDEN, dtype=dtype), 1e-5)
         rms_norm.rms_norm(q, torch.ones(HEAD_DIM, dtype=dtype), 1e-6)
         silu_mul.silu_mul(torch.zeros(6, 2 * INTERMEDIATE, dtype=dtype))
+        qk = torch.zeros(6, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype)[:, : HEADS + KV_HEADS]  # inside qkv
+        rope.rope(qk, torch.zeros(6, 1, HEAD_DIM, dtype=dtype), torch.zeros(6, 1, HEAD_DIM, dtype=dtype))
     return launches
 
 

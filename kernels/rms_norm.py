@@ -2,8 +2,7 @@
 multiply, narrow, scale).
 
 The roundings are the Hugging Face order, so bf16 results match the reference: normalize in fp32,
-round to the input dtype, then multiply by the weight and round again. `rms_norm_reference` is the
-torch reference.
+round to the input dtype, then multiply by the weight and round again, as the model's `RMSNorm`.
 """
 
 from __future__ import annotations
@@ -43,9 +42,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             rows, weight, out, rows.stride(0), eps, D=d, BLOCK=block, num_warps=num_warps
         )
     return out
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed

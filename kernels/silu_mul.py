@@ -2,7 +2,7 @@
 (op by op: a slice, silu, multiply).
 
 `x` is [..., 2 * I]: the gate in the first I columns, up in the last I. silu rounds to the input
-dtype before the product, as torch's two ops do. `silu_mul_reference` is the torch reference.
+dtype before the product, as torch's two ops in the model's `silu_and_mul` do.
 """
 
 from __future__ import annotations
@@ -42,8 +42,3 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
             rows, out, rows.stride(0), inner, BLOCK=block, num_warps=4
         )
     return out
-
-
-def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

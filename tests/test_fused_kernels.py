@@ -1,5 +1,6 @@
-"""The fused RMSNorm and SwiGLU activation kernels against their torch references, and the model on
-them. Without CUDA they run in Triton's interpreter (set before any kernel module is imported)."""
+"""The fused RMSNorm, SwiGLU activation and RoPE kernels against the model's own op-by-op
+functions, and the model on them. Without CUDA they run in Triton's interpreter (set before any
+kernel module is imported)."""
 
 # ruff: noqa: E402 (TRITON_INTERPRET must be set before the kernel modules are imported)
 from __future__ import annotations
@@ -18,8 +19,12 @@ from torch.nn import functional as F
 pytest.importorskip("triton")
 
 from superinfer.engine.model import load_model
-from superinfer.kernels.rms_norm import rms_norm, rms_norm_reference
-from superinfer.kernels.silu_mul import silu_mul, silu_mul_reference
+from superinfer.engine.model.config import ModelConfig
+from superinfer.engine.model.decoder import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from superinfer.engine.model.tiny import tiny_config_dict
+from superinfer.kernels.rms_norm import rms_norm
+from superinfer.kernels.rope import rope
+from superinfer.kernels.silu_mul import silu_mul
 
 DEVICE = "cuda" if GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if GPU else [])
@@ -31,37 +36,57 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return scale * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(5, 256), (3, 96), (0, 64), (2, 3, 128)])
-def test_rms_norm_matches_the_reference(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    g = torch.Generator().manual_seed(len(shape) + shape[-1])
-    x = (3 * torch.randn(shape, generator=g)).to(DEVICE, dtype)
-    weight = (1 + torch.randn(shape[-1], generator=g) / 4).to(DEVICE, dtype)
-    got = rms_norm(x, weight, 1e-5)
-    assert got.shape == x.shape and got.dtype == dtype
-    _close(got, rms_norm_reference(x, weight, 1e-5))
+def test_rms_norm_matches_the_model(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    norm = RMSNorm(shape[-1], 1e-5, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + _randn(shape[-1], seed=1) / 4)
+        x = _randn(*shape, seed=2, scale=3).to(DEVICE, dtype)
+        got = rms_norm(x, norm.weight, norm.eps)
+        assert got.shape == x.shape and got.dtype == dtype
+        _close(got, norm(x))
 
 
 def test_rms_norm_of_strided_heads() -> None:
     """Qwen3's q/k norm: a slice of the heads of a [T, heads, head_dim] view, rows not one stride."""
-    qk = torch.randn(4, 6, 64, device=DEVICE)
-    weight = torch.rand(64, device=DEVICE) + 0.5
-    part = qk[:, 1:4]
-    _close(rms_norm(part, weight, 1e-6), rms_norm_reference(part, weight, 1e-6))
+    norm = RMSNorm(64, 1e-6, device=DEVICE)
+    part = _randn(4, 6, 64, seed=3).to(DEVICE)[:, 1:4]
+    with torch.no_grad():
+        _close(rms_norm(part, norm.weight, norm.eps), norm(part))
     with pytest.raises(ValueError, match="does not fit"):
-        rms_norm(part, weight[:32], 1e-6)
+        rms_norm(part, norm.weight[:32], 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inner", [8, 344, 1500])  # 1500: two column programs of 1024
-def test_silu_mul_matches_the_reference(dtype: torch.dtype, inner: int) -> None:
-    g = torch.Generator().manual_seed(inner)
-    x = (4 * torch.randn(3, 2 * inner + 8, generator=g)).to(DEVICE, dtype)[:, 4 : 4 + 2 * inner]  # strided rows
+def test_silu_mul_matches_the_model(dtype: torch.dtype, inner: int) -> None:
+    x = _randn(3, 2 * inner + 8, seed=inner, scale=4).to(DEVICE, dtype)[:, 4 : 4 + 2 * inner]  # strided rows
     got = silu_mul(x)
     assert got.shape == (3, inner) and got.dtype == dtype
-    _close(got, silu_mul_reference(x))
+    _close(got, silu_and_mul(x))
     with pytest.raises(ValueError, match="halves"):
         silu_mul(x[:, 1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, head_dim", [(6, 64), (13, 128), (3, 80)])
+def test_rope_matches_the_model(dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    """q and k heads inside the fused qkv output (rows strided past the v columns), at scattered
+    positions; the same bits as the op-by-op rotation."""
+    config = ModelConfig.from_dict(tiny_config_dict() | {"head_dim": head_dim})
+    cos, sin = RotaryEmbedding(config, device=DEVICE)(torch.tensor([0, 7, 300, 4095, 12], device=DEVICE), dtype)
+    qkv = _randn(5, heads + 2, head_dim, seed=heads, scale=2).to(DEVICE, dtype)
+    qk = qkv[:, :heads]
+    got = rope(qk, cos, sin)
+    assert got.shape == qk.shape and got.is_contiguous()
+    assert torch.equal(got, apply_rope(qk, cos, sin))
+    with pytest.raises(ValueError, match="do not fit"):
+        rope(qk, cos.float() if dtype != torch.float32 else cos.half(), sin)
 
 
 def _causal_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -79,6 +104,7 @@ def test_the_model_on_the_kernels_gives_its_logits() -> None:
     model = load_model("tiny", device=DEVICE, dtype="float32").model
     ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     expected = _causal_logits(model, ids)
-    model.use_kernels(rms_norm, silu_mul)
-    assert model.model.norm.kernel is rms_norm and model.model.layers[0].mlp.act is silu_mul
+    model.use_kernels(rms_norm, silu_mul, rope)
+    layer = model.model.layers[0]
+    assert model.model.norm.kernel is rms_norm and layer.mlp.act is silu_mul and layer.self_attn.rope is rope
     torch.testing.assert_close(_causal_logits(model, ids), expected, atol=1e-4, rtol=1e-4)

@@ -26,8 +26,9 @@ def test_cuda_greedy_tokens_match_cpu():
         outs[device] = run(core, prompts, sampling)
     assert outs["cuda"] == outs["cpu"]
     assert core.runner.graphs is not None and core.runner.graphs.replays >= 15  # the decode steps
-    model = core.runner.model  # on the fused norm and activation kernels, in and out of the graphs
-    assert model.model.norm.kernel is not None and model.model.layers[0].mlp.act.__module__.endswith("silu_mul")
+    layer = core.runner.model.model.layers[0]  # on the fused kernels, in and out of the graphs
+    assert layer.input_layernorm.kernel is not None
+    assert layer.mlp.act.__module__.endswith("silu_mul") and layer.self_attn.rope.__module__.endswith("rope")
 
 
 def test_dummy_preset_serves_on_cuda_in_bf16():

@@ -111,6 +111,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 NormKernel = Callable[[Tensor, Tensor, float], Tensor]
+RopeKernel = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -217,6 +218,7 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.o_proj_bias, tp, **factory)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
+        self.rope: RopeKernel = apply_rope  # or a fused kernel (use_kernels)
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
@@ -224,7 +226,7 @@ class SelfAttention(nn.Module):
         qk = qkv[:, : self.qk_width].view(t, heads + kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        q, k = apply_rope(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation for both
+        q, k = self.rope(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation for both
         v = qkv[:, self.qk_width :].view(t, kv_heads, self.head_dim)
         out = attn(layer, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -292,15 +294,17 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, device=device)
         self.tie_weights()
 
-    def use_kernels(self, rms_norm: NormKernel, silu_mul: Callable[[Tensor], Tensor]) -> None:
-        """Fused kernels for every RMSNorm and dense MLP activation (the runner passes the Triton
-        ones on CUDA): one launch each where op by op they take eight and three, which on a GPU
-        costs host time op by op and a gap per kernel inside a CUDA graph."""
+    def use_kernels(self, rms_norm: NormKernel, silu_mul: Callable[[Tensor], Tensor], rope: RopeKernel) -> None:
+        """Fused kernels for every RMSNorm, dense MLP activation and RoPE (the runner passes the
+        Triton ones on CUDA): one launch each where op by op they take eight, three and four, which
+        on a GPU costs host time op by op and a gap per kernel inside a CUDA graph."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = rms_norm
             elif isinstance(module, MLP):
                 module.act = silu_mul
+            elif isinstance(module, SelfAttention):
+                module.rope = rope
 
     def tie_weights(self) -> None:
         """Share lm_head with the embeddings when the config ties them (again after to_empty)."""

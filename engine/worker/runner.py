@@ -227,9 +227,10 @@ class ModelRunner:
         if self.attention_backend == "triton" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Triton launches on the current device's current stream
             from superinfer.kernels.rms_norm import rms_norm
+            from superinfer.kernels.rope import rope
             from superinfer.kernels.silu_mul import silu_mul
 
-            model.use_kernels(rms_norm, silu_mul)
+            model.use_kernels(rms_norm, silu_mul, rope)
         self.generators: dict[str, torch.Generator] = {}
         self.histories = TokenHistories(model.config.vocab_size, self.device)
         self.grammars = grammars
