@@ -144,7 +144,9 @@ def engine_launches(dtype: torch.dtype) -> list[Launch]:
         block_ids = torch.tensor([3, 5], dtype=torch.int32)
         block_copy.gather_blocks(cache, block_ids, staging)
         block_copy.scatter_blocks(staging, cache, block_ids)
-        rms_norm.rms_norm(torch.zeros(6, HIDDEN, dtype=dtype), torch.ones(HIDDEN, dtype=dtype), 1e-5)
+        hidden, weight = torch.zeros(6, HIDDEN, dtype=dtype), torch.ones(HIDDEN, dtype=dtype)
+        rms_norm.rms_norm(hidden, weight, 1e-5)
+        rms_norm.add_rms_norm(hidden, hidden, weight, 1e-5)
         rms_norm.rms_norm(q, torch.ones(HEAD_DIM, dtype=dtype), 1e-6)
         silu_mul.silu_mul(torch.zeros(6, 2 * INTERMEDIATE, dtype=dtype))
         qk = torch.zeros(6, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype)[:, : HEADS + KV_HEADS]  # inside qkv

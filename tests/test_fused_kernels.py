@@ -20,9 +20,9 @@ pytest.importorskip("triton")
 
 from superinfer.engine.model import load_model
 from superinfer.engine.model.config import ModelConfig
-from superinfer.engine.model.decoder import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from superinfer.engine.model.decoder import FusedKernels, RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
 from superinfer.engine.model.tiny import tiny_config_dict
-from superinfer.kernels.rms_norm import rms_norm
+from superinfer.kernels.rms_norm import add_rms_norm, rms_norm
 from superinfer.kernels.rope import rope
 from superinfer.kernels.silu_mul import silu_mul
 
@@ -52,13 +52,28 @@ def test_rms_norm_matches_the_model(dtype: torch.dtype, shape: tuple[int, ...]) 
         _close(got, norm(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_the_model(dtype: torch.dtype) -> None:
+    """The residual stream's add folded into the norm: the sum and the normed sum."""
+    norm = RMSNorm(200, 1e-5, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + _randn(200, seed=4) / 4)
+        x, residual = (_randn(7, 200, seed=s, scale=3).to(DEVICE, dtype) for s in (5, 6))
+        got, total = add_rms_norm(x, residual, norm.weight, norm.eps)
+        want, want_total = norm.add(x, residual)
+    assert torch.equal(total, want_total)
+    _close(got, want)
+    with pytest.raises(ValueError, match="do not fit"):
+        add_rms_norm(x, residual[:, :100], norm.weight, norm.eps)
+
+
 def test_rms_norm_of_strided_heads() -> None:
     """Qwen3's q/k norm: a slice of the heads of a [T, heads, head_dim] view, rows not one stride."""
     norm = RMSNorm(64, 1e-6, device=DEVICE)
     part = _randn(4, 6, 64, seed=3).to(DEVICE)[:, 1:4]
     with torch.no_grad():
         _close(rms_norm(part, norm.weight, norm.eps), norm(part))
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         rms_norm(part, norm.weight[:32], 1e-6)
 
 
@@ -104,7 +119,8 @@ def test_the_model_on_the_kernels_gives_its_logits() -> None:
     model = load_model("tiny", device=DEVICE, dtype="float32").model
     ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     expected = _causal_logits(model, ids)
-    model.use_kernels(rms_norm, silu_mul, rope)
+    kernels = FusedKernels(rms_norm, add_rms_norm, silu_mul, rope)
+    model.use_kernels(kernels)
     layer = model.model.layers[0]
-    assert model.model.norm.kernel is rms_norm and layer.mlp.act is silu_mul and layer.self_attn.rope is rope
+    assert model.model.norm.kernels is kernels and layer.mlp.act is silu_mul and layer.self_attn.rope is rope
     torch.testing.assert_close(_causal_logits(model, ids), expected, atol=1e-4, rtol=1e-4)

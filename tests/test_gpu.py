@@ -27,7 +27,7 @@ def test_cuda_greedy_tokens_match_cpu():
     assert outs["cuda"] == outs["cpu"]
     assert core.runner.graphs is not None and core.runner.graphs.replays >= 15  # the decode steps
     layer = core.runner.model.model.layers[0]  # on the fused kernels, in and out of the graphs
-    assert layer.input_layernorm.kernel is not None
+    assert layer.input_layernorm.kernels is not None
     assert layer.mlp.act.__module__.endswith("silu_mul") and layer.self_attn.rope.__module__.endswith("rope")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -110,8 +111,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-NormKernel = Callable[[Tensor, Tensor, float], Tensor]
-RopeKernel = Callable[[Tensor, Tensor, Tensor], Tensor]
+@dataclass(frozen=True)
+class FusedKernels:
+    """One-launch versions of the model's small ops, with their roundings (`DecoderLM.use_kernels`):
+    rms_norm(x, weight, eps), add_rms_norm(x, residual, weight, eps) -> (normed, sum),
+    silu_mul(gate_up), rope(x, cos, sin)."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    silu_mul: Callable[[Tensor], Tensor]
+    rope: Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -119,11 +128,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.eps = eps
-        self.kernel: NormKernel | None = None  # a fused kernel with this forward's roundings (use_kernels)
+        self.kernels: FusedKernels | None = None
+
+    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(this norm of residual + x, residual + x): the residual stream's add and the next norm."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel is not None:
-            return self.kernel(x, self.weight, self.eps)
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the same bits, fewer calls
         # Normalise in float32, round to the input dtype, then scale: the HF order, so bf16 matches.
@@ -218,7 +234,7 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.o_proj_bias, tp, **factory)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
-        self.rope: RopeKernel = apply_rope  # or a fused kernel (use_kernels)
+        self.rope: Callable[[Tensor, Tensor, Tensor], Tensor] = apply_rope  # or FusedKernels.rope
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
@@ -243,7 +259,7 @@ class MLP(nn.Module):
         h, i, bias = cfg.hidden_size, tp.split(cfg.intermediate_size), cfg.mlp_bias
         self.gate_up_proj = FusedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias, **factory)
         self.down_proj = RowParallelLinear(i, h, bias, tp, **factory)
-        self.act: Callable[[Tensor], Tensor] = silu_and_mul  # or a fused kernel (use_kernels)
+        self.act: Callable[[Tensor], Tensor] = silu_and_mul  # or FusedKernels.silu_mul
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -258,9 +274,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
-        h = h + self.self_attn(self.index, self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, attn: Attention
+    ) -> tuple[Tensor, Tensor]:
+        """(this layer's MLP output, the residual stream before it): the stream is the sum of the
+        embedding and every attention and MLP output so far; each add is folded into the norm
+        that reads it (`RMSNorm.add`). The first layer gets h = the embedding, residual None."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add(h, residual)
+        h = self.self_attn(self.index, x, cos, sin, attn)
+        x, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -294,17 +320,18 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, device=device)
         self.tie_weights()
 
-    def use_kernels(self, rms_norm: NormKernel, silu_mul: Callable[[Tensor], Tensor], rope: RopeKernel) -> None:
-        """Fused kernels for every RMSNorm, dense MLP activation and RoPE (the runner passes the
-        Triton ones on CUDA): one launch each where op by op they take eight, three and four, which
-        on a GPU costs host time op by op and a gap per kernel inside a CUDA graph."""
+    def use_kernels(self, kernels: FusedKernels) -> None:
+        """Fused kernels for every RMSNorm (with the residual add before it), dense MLP activation
+        and RoPE (the runner passes the Triton ones on CUDA): one launch each where op by op they
+        take eight or nine, three and four, which on a GPU costs host time op by op and a gap per
+        kernel inside a CUDA graph."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.kernel = rms_norm
+                module.kernels = kernels
             elif isinstance(module, MLP):
-                module.act = silu_mul
+                module.act = kernels.silu_mul
             elif isinstance(module, SelfAttention):
-                module.rope = rope
+                module.rope = kernels.rope
 
     def tie_weights(self) -> None:
         """Share lm_head with the embeddings when the config ties them (again after to_empty)."""
@@ -326,9 +353,10 @@ class DecoderLM(nn.Module):
         """input_ids, positions: [T] (many sequences flattened) -> final-norm hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, attn)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, attn)
+        return self.model.norm(h) if residual is None else self.model.norm.add(h, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """hidden [N, hidden] -> float32 logits [N, vocab]; with tensor parallelism every rank

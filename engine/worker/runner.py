@@ -226,11 +226,12 @@ class ModelRunner:
         self.block_rows = BlockRows() if self.attention_backend == "triton" else None  # its tables take arrays
         if self.attention_backend == "triton" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Triton launches on the current device's current stream
-            from superinfer.kernels.rms_norm import rms_norm
+            from superinfer.engine.model.decoder import FusedKernels
+            from superinfer.kernels.rms_norm import add_rms_norm, rms_norm
             from superinfer.kernels.rope import rope
             from superinfer.kernels.silu_mul import silu_mul
 
-            model.use_kernels(rms_norm, silu_mul, rope)
+            model.use_kernels(FusedKernels(rms_norm, add_rms_norm, silu_mul, rope))
         self.generators: dict[str, torch.Generator] = {}
         self.histories = TokenHistories(model.config.vocab_size, self.device)
         self.grammars = grammars
