@@ -38,16 +38,7 @@ GPU = [
     # one overloaded rate, both policies: each point builds an engine (~1 minute on an H100 with the drain)
     [
         "bench.slo",
-        "--device",
-        "cuda",
-        "--policies",
-        "fcfs,rotary",
-        "--rates",
-        "45",
-        "--duration",
-        "15",
-        "--gpu-memory-utilization",
-        "0.3",
+        *"--device cuda --policies fcfs,rotary --rates 45 --duration 15 --gpu-memory-utilization 0.3".split(),
     ],
     ["bench.attn", "--batches", "64", "--contexts", "2048", "--prefill", "4096", "--sweep"],
 ]
