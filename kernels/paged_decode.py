@@ -153,8 +153,9 @@ def _decode_kernel(
         valid = pos < end
         offs = kv_offsets(table_row, pos, valid, stride_block, stride_slot, BLOCK_SIZE)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        rows = k_base + offs  # a pointer per key, then one per element: fewer registers than offsets first
+        k = tl.load(rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load((rows + stride_kv)[:, None] + d[None, :], mask=kv_mask, other=0.0)
         m, total, acc = softmax_step(q, k, v, valid[None, :], m, total, acc, scale_log2, UPCAST, PRECISION, True)
 
     out = acc / total[:, None]

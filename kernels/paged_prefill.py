@@ -156,8 +156,9 @@ def _prefill_kernel(
     for first in range(0, unmasked_end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         offs = kv_offsets(table_row, pos, pos < unmasked_end, stride_block, stride_slot, BLOCK_SIZE)
-        k = tl.load(k_base + offs[:, None] + d[None, :], mask=d_mask, other=0.0)
-        v = tl.load(k_base + stride_kv + offs[:, None] + d[None, :], mask=d_mask, other=0.0)
+        rows = k_base + offs  # a pointer per key, then one per element: fewer registers than offsets first
+        k = tl.load(rows[:, None] + d[None, :], mask=d_mask, other=0.0)
+        v = tl.load((rows + stride_kv)[:, None] + d[None, :], mask=d_mask, other=0.0)
         m, total, acc = softmax_step(q, k, v, None, m, total, acc, scale_log2, UPCAST, PRECISION, False)
     last = past + tl.minimum(tile_start + BLOCK_M, q_len)  # one past the tile's last position
     for first in range(unmasked_end, last, BLOCK_N):
@@ -165,8 +166,9 @@ def _prefill_kernel(
         valid = pos < last
         offs = kv_offsets(table_row, pos, valid, stride_block, stride_slot, BLOCK_SIZE)
         kv_mask = valid[:, None] & d_mask
-        k = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        rows = k_base + offs
+        k = tl.load(rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load((rows + stride_kv)[:, None] + d[None, :], mask=kv_mask, other=0.0)
         keep = pos[None, :] <= q_pos[:, None]
         m, total, acc = softmax_step(q, k, v, keep, m, total, acc, scale_log2, UPCAST, PRECISION, True)
 
