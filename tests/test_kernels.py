@@ -302,6 +302,21 @@ def test_engine_greedy_tokens_match_torch_backend() -> None:
     assert all(len(t) == 6 for t in triton_tokens)
 
 
+def test_engine_on_the_fused_kernels_gives_the_op_by_op_tokens() -> None:
+    """The fused norm, activation and RoPE kernels in the engine (the runner turns them on with the
+    Triton backend on CUDA; here they are turned on by hand): prompt chunks beside decodes, the
+    greedy tokens of the torch backend's op-by-op model."""
+    from superinfer.engine.model.decoder import FusedKernels
+    from superinfer.kernels.rms_norm import add_rms_norm, rms_norm
+    from superinfer.kernels.rope import rope
+    from superinfer.kernels.silu_mul import silu_mul
+
+    prompts = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000], [7, 8, 9, 10, 11, 12, 13]]
+    fused = _engine("triton", max_num_batched_tokens=8)
+    fused.runner.model.use_kernels(FusedKernels(rms_norm, add_rms_norm, silu_mul, rope))
+    assert _greedy(fused, prompts, [5, 7, 4]) == _greedy(_engine("torch"), prompts, [5, 7, 4])
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_decode_graphs_give_the_op_by_op_tokens(async_scheduling: bool) -> None:
     """Decode steps through the CUDA graphs' static buffers (replayed on CUDA; without CUDA the same
