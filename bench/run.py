@@ -10,8 +10,11 @@ python -m bench.run --gpu      # GPU: step, attn, GPU tests, copy, peer, sampler
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
+
+PARALLEL = ["-n", "8"] if importlib.util.find_spec("xdist") else []
 
 CPU = [
     ["bench.peer"],
@@ -30,7 +33,8 @@ CPU = [
 GPU = [
     ["bench.step", "--device", "cuda", "--batches", "1,16,64,128,256"],
     ["bench.attn"],
-    ["pytest", "-q", "tests/test_kernels.py", "tests/test_attention.py"],  # compiled on CUDA, gpu-marked or not
+    # compiled on CUDA, gpu-marked or not; compiling dominates: in parallel where pytest-xdist is there
+    ["pytest", "-q", *PARALLEL, "tests/test_kernels.py", "tests/test_attention.py"],
     ["pytest", "-q", "-m", "gpu", *(f"tests/test_{name}.py" for name in ("gpu", "sampler", "model", "moe"))],
     ["bench.copy", "--device", "cuda"],
     ["bench.peer", "--model", "llama-3-8b", "--device", "cuda", "--dtype", "bfloat16", "--prompts", "128"],
@@ -38,7 +42,11 @@ GPU = [
     # one overloaded rate, both policies: each point builds an engine (~1 minute on an H100 with the drain)
     [
         "bench.slo",
-        *"--device cuda --policies fcfs,rotary --rates 45 --duration 15 --gpu-memory-utilization 0.3".split(),
+        "--device=cuda",
+        "--policies=fcfs,rotary",
+        "--rates=45",
+        "--duration=15",
+        "--gpu-memory-utilization=0.3",
     ],
     ["bench.attn", "--batches", "64", "--contexts", "2048", "--prefill", "4096", "--sweep"],
 ]
