@@ -124,7 +124,6 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,7 +148,7 @@ def _decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for first in tl.range(start, end, BLOCK_N, num_stages=STAGES):  # plain range() is not pipelined
+    for first in range(start, end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         valid = pos < end
         offs = kv_offsets(table_row, pos, valid, stride_block, stride_slot, BLOCK_SIZE)
@@ -267,8 +266,8 @@ def paged_decode(
         SPLIT=split,
         UPCAST=upcast(q.dtype),
         PRECISION=dot_precision(q.dtype),
-        STAGES=NUM_STAGES,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if split:
         _reduce_kernel[(num_seqs, heads)](

@@ -122,7 +122,6 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,7 +153,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
     # Whole tiles every row sees (keys at or before the first token's position): no mask.
     unmasked_end = (past + tile_start + 1) // BLOCK_N * BLOCK_N
-    for first in tl.range(0, unmasked_end, BLOCK_N, num_stages=STAGES):  # plain range() is not pipelined
+    for first in range(0, unmasked_end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         offs = kv_offsets(table_row, pos, pos < unmasked_end, stride_block, stride_slot, BLOCK_SIZE)
         rows = k_base + offs  # a pointer per key, then one per element: fewer registers than offsets first
@@ -162,7 +161,7 @@ def _prefill_kernel(
         v = tl.load((rows + stride_kv)[:, None] + d[None, :], mask=d_mask, other=0.0)
         m, total, acc = softmax_step(q, k, v, None, m, total, acc, scale_log2, UPCAST, PRECISION, False)
     last = past + tl.minimum(tile_start + BLOCK_M, q_len)  # one past the tile's last position
-    for first in tl.range(unmasked_end, last, BLOCK_N, num_stages=STAGES):
+    for first in range(unmasked_end, last, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         valid = pos < last
         offs = kv_offsets(table_row, pos, valid, stride_block, stride_slot, BLOCK_SIZE)
@@ -233,8 +232,8 @@ def paged_prefill(
         BLOCK_N=BLOCK_N,
         UPCAST=upcast(q.dtype),
         PRECISION=dot_precision(q.dtype),
-        STAGES=NUM_STAGES,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return out
 
