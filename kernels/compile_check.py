@@ -105,7 +105,17 @@ def compile_launch(launch: Launch, target: GPUTarget) -> Any:
     values = dict(zip(names, launch.args, strict=False)) | constants
     signature = {n: "constexpr" if n in constants else _type(values[n]) for n in names}
     constexprs = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
-    return triton.compile(ASTSource(launch.kernel, signature, constexprs), target=target, options=options)
+    # What the JIT tells the compiler at a real launch: which pointers and ints are multiples of 16
+    # (vector loads and the pipeliner depend on it).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants and _aligned(values[n])}
+    source = ASTSource(launch.kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options)
+
+
+def _aligned(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def resources(compiled: Any) -> str:
