@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from superinfer.engine.model.tiny import (
     BOS,
@@ -164,3 +165,17 @@ def hf_greedy(model: Any, prompt: list[int], num_tokens: int, **generate_kwargs:
         **generate_kwargs,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def causal_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Our model's logits for one sequence `ids`, with dense causal attention (no KV cache): what
+    its logits are compared with, transformers' or its own on other kernels."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return out.transpose(0, 1)
+
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(len(ids), device=ids.device), attend))

@@ -14,7 +14,6 @@ if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
-from torch.nn import functional as F
 
 pytest.importorskip("triton")
 
@@ -25,6 +24,7 @@ from superinfer.engine.model.tiny import tiny_config_dict
 from superinfer.kernels.rms_norm import add_rms_norm, rms_norm
 from superinfer.kernels.rope import rope
 from superinfer.kernels.silu_mul import silu_mul
+from tests.hf_fixtures import causal_logits
 
 DEVICE = "cuda" if GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if GPU else [])
@@ -104,23 +104,12 @@ def test_rope_matches_the_model(dtype: torch.dtype, heads: int, head_dim: int) -
         rope(qk, cos.float() if dtype != torch.float32 else cos.half(), sin)
 
 
-def _causal_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        return out.transpose(0, 1)
-
-    with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(len(ids), device=ids.device), attend))
-
-
 def test_the_model_on_the_kernels_gives_its_logits() -> None:
     model = load_model("tiny", device=DEVICE, dtype="float32").model
     ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    expected = _causal_logits(model, ids)
+    expected = causal_logits(model, ids)
     kernels = FusedKernels(rms_norm, add_rms_norm, silu_mul, rope)
     model.use_kernels(kernels)
     layer = model.model.layers[0]
     assert model.model.norm.kernels is kernels and layer.mlp.act is silu_mul and layer.self_attn.rope is rope
-    torch.testing.assert_close(_causal_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(causal_logits(model, ids), expected, atol=1e-4, rtol=1e-4)

@@ -18,7 +18,7 @@ from superinfer.engine.engine import EngineCore
 from superinfer.engine.model import ModelConfig, load_model, preset_config
 from superinfer.engine.model.loader import PRESETS_DIR
 from superinfer.engine.model.moe import grouped_experts, route
-from tests.hf_fixtures import hf_greedy, hf_model, make_hf_checkpoint
+from tests.hf_fixtures import causal_logits, hf_greedy, hf_model, make_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,23 +204,12 @@ def test_dummy_weights_fill_every_expert(checkpoint: tuple[str, Path]) -> None:
 # Token-exact against transformers.
 
 
-def _causal_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        return out.transpose(0, 1)
-
-    with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(len(ids), device=ids.device), attend))
-
-
 def test_logits_match_transformers(checkpoint: tuple[str, Path]) -> None:
     _, path = checkpoint
     ids = torch.randint(3, 3072, (33,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf_model(path)(ids[None]).logits[0]
-    ours = _causal_logits(load_model(str(path)).model, ids)
+    ours = causal_logits(load_model(str(path)).model, ids)
     assert ref.abs().max() > 0.5
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
@@ -260,7 +249,7 @@ def test_bfloat16_follows_transformers_in_bfloat16(arch: str, tmp_path: Path) ->
     ids = torch.randint(3, 3072, (20,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf_model(path).bfloat16()(ids[None]).logits[0].float()
-    ours = _causal_logits(load_model(str(path), dtype="bfloat16").model, ids)
+    ours = causal_logits(load_model(str(path), dtype="bfloat16").model, ids)
     assert (ours - ref).abs().max() < 0.02 * ref.abs().max()
 
 
@@ -272,9 +261,9 @@ def test_cuda_logits_match_transformers(case: str, tmp_path: Path) -> None:
     ids = torch.randint(3, 3072, (33,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf_model(path)(ids[None]).logits[0]
-    fp32 = _causal_logits(load_model(str(path), device="cuda", dtype="float32").model, ids.cuda()).cpu()
+    fp32 = causal_logits(load_model(str(path), device="cuda", dtype="float32").model, ids.cuda()).cpu()
     torch.testing.assert_close(fp32, ref, atol=2e-3, rtol=2e-3)
-    bf16 = _causal_logits(load_model(str(path), device="cuda", dtype="bfloat16").model, ids.cuda()).cpu()
+    bf16 = causal_logits(load_model(str(path), device="cuda", dtype="bfloat16").model, ids.cuda()).cpu()
     # Rounding can flip a router's near-tie for a token (transformers' own bf16 does on these
     # weights): that token's logits move a lot, the others stay close.
     error = (bf16 - ref).abs().amax(dim=-1)
