@@ -12,7 +12,8 @@ replaces the roofline with a linear cost: fixed + per token + per sequence + per
 tokens, each step scaled by a factor drawn from the measured spread around that fit when the file
 gives one, and copies at measured GB/s per direction. A `bench.step` record instead keeps the roofline
 at the rates that benchmark measured (HBM bandwidth x its decode share of the roofline at the
-largest batch, and its prefill share of bf16 peak).
+largest batch, and its prefill share of bf16 peak), and takes its op-by-op batch-1 decode time as
+the floor of a step with prompt tokens (such steps run outside the CUDA graphs, host-bound).
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class RooflineCost(StepCost):
         attended = sum(len(s.token_ids) * (s.start_pos + (len(s.token_ids) + 1) / 2) for s in plan.seqs)
         attended += sum(plan.decodes.start_pos) + len(plan.decodes)
         memory, flops = self.terms(plan.num_tokens, context, attended)
-        return self.base_s + max(memory, flops)
+        device = self.base_s + max(memory, flops)
+        assert self.hw is not None
+        graphed = plan.num_tokens == plan.num_seqs  # one new token a sequence: the decode graphs run it
+        return device if graphed else max(device, self.hw.eager_step_s)
 
 
 def roofline_cost(model: ModelSpec, hw: HardwareProfile, block_size: int, duplex: str) -> RooflineCost:
@@ -153,4 +157,6 @@ def profile_from_step_record(hw: HardwareProfile, record: dict) -> HardwareProfi
         hbm_bw=figures["hbm_gb_s_measured"] * 1e9,
         hbm_efficiency=shares[-1][1],
         flops_efficiency=figures["prefill_share_of_bf16_peak"],
+        # op by op a batch-1 decode is all launches: the host time of a step outside the graphs
+        eager_step_s=figures.get("decode_b1_ms_eager", 0.0) / 1000.0,
     )

@@ -26,6 +26,10 @@ class HardwareProfile:
     flops_efficiency: float = 0.55
     launch_s: float = 0.0005  # fixed cost of a step: kernel launches, sampling, host sync
     host_s: float = 0.0005  # scheduler host time per step (hidden behind the device with async scheduling)
+    # The host time of a step that runs op by op (CUDA graphs cover steps of one new token a
+    # sequence, so any step with a prompt chunk): its floor, the launches outlasting the device
+    # work. 0: not modelled.
+    eager_step_s: float = 0.0
 
 
 PROFILES: dict[str, HardwareProfile] = {
