@@ -12,7 +12,7 @@ from superinfer.bench.step_cost import COPY_LANES
 from superinfer.engine.core.plan import ScheduledSeq, StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.sim.config import SimConfig
-from superinfer.sim.cost import CalibratedCost, load_calibration, roofline_cost, spread_quantiles
+from superinfer.sim.cost import CalibratedCost, RooflineCost, load_calibration, roofline_cost, spread_quantiles
 from superinfer.sim.hardware import get_profile
 from superinfer.sim.model_spec import PRESETS, from_hf_config, load_model_spec
 
@@ -178,16 +178,18 @@ def test_timeline_lanes_are_the_executors():
     assert COPY_LANES == EXECUTOR_LANES
 
 
-def test_a_bench_step_record_sets_the_roofline_rates(tmp_path):
-    path = tmp_path / "step-nvidia-h100-2026-11-23.json"
-    figures = {
-        "hbm_gb_s_measured": 3000.0,
-        "decode_b1_share_of_roofline": 0.6,
-        "decode_b64_share_of_roofline": 0.85,
-        "prefill_share_of_bf16_peak": 0.5,
-    }
-    path.write_text(json.dumps({"bench": "step", "figures": figures}))
+def _step_record_cost(tmp_path: Path, **figures: float) -> RooflineCost:
+    """The simulator's H100 step cost calibrated by a `bench.step` record of these figures."""
+    path = tmp_path / "step-nvidia-h100-2026-11-27.json"
+    path.write_text(json.dumps({"bench": "step", "figures": {"hbm_gb_s_measured": 3000.0, **figures}}))
     cost = SimConfig(hardware="h100", calibration=path, duplex="full").step_cost()
+    assert isinstance(cost, RooflineCost)
+    return cost
+
+
+def test_a_bench_step_record_sets_the_roofline_rates(tmp_path):
+    shares = {"decode_b1_share_of_roofline": 0.6, "decode_b64_share_of_roofline": 0.85}
+    cost = _step_record_cost(tmp_path, **shares, prefill_share_of_bf16_peak=0.5)
     assert cost.hw.hbm_bw == 3000e9 and cost.hw.hbm_efficiency == 0.85 and cost.hw.flops_efficiency == 0.5
     assert cost.compute(plan((0, 1))) == pytest.approx(cost.hw.launch_s + (16_060_522_496 + 131_072) / 2550e9)
     assert cost.hw.eager_step_s == 0.0  # the record has no op-by-op figure: not modelled
@@ -196,17 +198,10 @@ def test_a_bench_step_record_sets_the_roofline_rates(tmp_path):
 def test_a_bench_step_record_floors_the_steps_outside_the_graphs(tmp_path):
     """A step with a prompt chunk runs op by op on a GPU, host-bound: at least the record's
     op-by-op batch-1 decode time; steps of one new token a sequence replay the graphs."""
-    path = tmp_path / "step-nvidia-h100-2026-11-27.json"
-    figures = {
-        "hbm_gb_s_measured": 3000.0,
-        "decode_b64_share_of_roofline": 0.8,
-        "decode_b1_ms_eager": 20.0,
-        "prefill_share_of_bf16_peak": 0.5,
-    }
-    path.write_text(json.dumps({"bench": "step", "figures": figures}))
-    cost = SimConfig(hardware="h100", calibration=path, duplex="full").step_cost()
-    decodes = cost.compute(plan(*[(2047, 1)] * 8))
-    assert decodes < 0.01
+    cost = _step_record_cost(
+        tmp_path, decode_b64_share_of_roofline=0.8, decode_b1_ms_eager=20.0, prefill_share_of_bf16_peak=0.5
+    )
+    assert cost.compute(plan(*[(2047, 1)] * 8)) < 0.01
     assert cost.compute(plan(*[(2047, 1)] * 8, (0, 64))) == pytest.approx(0.02)  # the floor
     flops = 2 * 7_504_924_672 * 8192 + 4 * 32 * 32 * 128 * 8192 * 8193 / 2  # weights, causal attention
     assert cost.compute(plan((0, 8192))) == pytest.approx(cost.hw.launch_s + flops / (989e12 * 0.5))  # past it
