@@ -63,10 +63,11 @@ class RooflineCost(StepCost):
         # causal: the i-th new token sees start_pos + i (a decode row sees start_pos + 1)
         attended = sum(len(s.token_ids) * (s.start_pos + (len(s.token_ids) + 1) / 2) for s in plan.seqs)
         attended += sum(plan.decodes.start_pos) + len(plan.decodes)
-        memory, flops = self.terms(plan.num_tokens, context, attended)
+        tokens = plan.num_tokens
+        memory, flops = self.terms(tokens, context, attended)
         device = self.base_s + max(memory, flops)
         assert self.hw is not None
-        graphed = plan.num_tokens == plan.num_seqs  # one new token a sequence: the decode graphs run it
+        graphed = tokens == plan.num_seqs  # one new token a sequence: the decode graphs run it
         return device if graphed else max(device, self.hw.eager_step_s)
 
 
