@@ -54,6 +54,13 @@ class CacheStrides:
         return CacheStrides(*kv_cache.stride()[:5])
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit column stride, for a kernel that takes a row stride: a view
+    where the rows have one stride, else a copy."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def upcast(dtype: torch.dtype) -> bool:
     """Whether tl.dot operands of `dtype` must be widened to fp32 (the interpreter's bf16)."""
     return INTERPRETED and dtype == torch.bfloat16

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from superinfer.kernels.common import next_pow2
+from superinfer.kernels.common import as_rows, next_pow2
 
 
 @triton.jit
@@ -44,12 +44,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * D + cols, (w * normed).to(dt), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, D] with unit column stride: a view where the rows have one stride, else a copy."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -61,10 +55,10 @@ def _launch(
     d = x.shape[-1]
     if weight.shape != (d,) or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"x {tuple(x.shape)}, residual and weight {tuple(weight.shape)} do not fit")
-    rows = _rows(x)
+    rows = as_rows(x)
     if not rows.shape[0]:
         return
-    res = _rows(residual) if residual is not None else rows
+    res = as_rows(residual) if residual is not None else rows
     block = next_pow2(d)
     _rms_norm_kernel[(rows.shape[0],)](
         rows,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from superinfer.kernels.common import cdiv, next_pow2
+from superinfer.kernels.common import as_rows, cdiv, next_pow2
 
 MAX_BLOCK = 1024
 
@@ -32,9 +32,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"expected gate and up halves, got a last dimension of {x.shape[-1]}")
     inner = x.shape[-1] // 2
-    rows = x.reshape(-1, 2 * inner)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)
     out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block = min(next_pow2(inner), MAX_BLOCK)
