@@ -1,8 +1,11 @@
 """sched: scheduler host time per step (schedule + update) with many live requests, per policy.
 
-Pure control plane (no model): each step's sampled tokens are made up. Two situations: every
-request fits (decode steady state) and memory contention (half the requests cannot fit, so the
-rotary policy ranks, rotates and swaps every step).
+Pure control plane (no model): each step's sampled tokens are made up. Three situations: every
+request fits (decode steady state), memory contention (half the requests cannot fit, so the
+rotary policy ranks, rotates and swaps every step), and churn (every request fits; each stops
+after 32-256 tokens and a new one with a new prompt takes its place before the next step, so
+each step also finishes and admits a few, ~7 at 1024 live: their prompts' and outputs' blocks
+hashed, the finished ones' blocks registered in the prefix cache).
 
     python -m bench.sched [--live 256,1024,4096] [--steps 50] [--tag T]
     python -m bench.sched --vllm-python .venv-vllm/bin/python   # vLLM's v1 scheduler beside ours
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import random
 import statistics
 import subprocess
 import time
 import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,19 +49,36 @@ _UPDATE_TAKES_DICT = "sampled" in _UPDATE_TAKES
 _UPDATE_TAKES_ARRAY = "ndarray" in str(_UPDATE_TAKES.get("tokens", inspect.Parameter("x", 1)).annotation)
 
 
-def build(policy: str, live: int, contention: bool, seed: int = 0) -> Scheduler:
+SITUATIONS = ("fits", "contention", "churn")
+Replacer = Callable[[], Request]  # a new request, with an id of its own
+
+
+def new_request(rng: random.Random, i: int, churn: bool, fewest_tokens: int = 32) -> Request:
+    prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(64, 256))]
+    max_tokens = rng.randint(fewest_tokens, 256) if churn else 10_000
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0), arrival_time=0.0)
+
+
+def build(policy: str, live: int, situation: str, seed: int = 0) -> tuple[Scheduler, Replacer | None]:
+    """The scheduler with `live` requests added, and with churn what makes each replacement."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 30000) for _ in range(rng.randint(64, 256))] for _ in range(live)]
-    need = sum(-(-(len(p) + 64) // BLOCK) for p in prompts)
-    kv = KVCacheManager(need // 2 if contention else need + live, BLOCK, True, num_cpu_blocks=2 * need)
+    # (with churn the first ones end after 1 to 256 tokens: finishes from the first steps on)
+    requests = [new_request(rng, i, situation == "churn", fewest_tokens=1) for i in range(live)]
+    need = sum(-(-(len(r.prompt_token_ids) + 64) // BLOCK) for r in requests)
+    if situation == "churn":
+        need += 12 * live  # the longest output, 256 tokens, on top of 64
+    kv = KVCacheManager(need // 2 if situation == "contention" else need + live, BLOCK, True, num_cpu_blocks=2 * need)
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=live, max_num_batched_tokens=1 << 20, max_model_len=4096),
         kv,
         make_policy(policy, num_gpu_blocks=kv.num_blocks),
     )
-    for i, prompt in enumerate(prompts):
-        sched.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=10_000, temperature=0), arrival_time=0.0))
-    return sched
+    for req in requests:
+        sched.add(req)
+    if situation != "churn":
+        return sched, None
+    rng, ids = random.Random(seed + 1), itertools.count(live)
+    return sched, lambda: new_request(rng, next(ids), churn=True)
 
 
 def made_up_tokens(plan: StepPlan) -> np.ndarray | list[int] | dict[str, int]:
@@ -70,18 +92,21 @@ def made_up_tokens(plan: StepPlan) -> np.ndarray | list[int] | dict[str, int]:
     return [7] * plan.num_sampled
 
 
-def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[int]]:
-    """Seconds per step (schedule + update), and the requests each step scheduled."""
-    for _ in range(5):  # warm up: prefill everything that fits
-        plan = sched.schedule()
-        sched.update(plan, made_up_tokens(plan))
+def time_steps(sched: Scheduler, steps: int, replace: Replacer | None = None) -> tuple[list[float], list[int]]:
+    """Seconds per step (schedule + update), and the requests each step scheduled. With
+    `replace`, each request that finished gets a new one in its place between steps (not
+    timed: a server thread adds requests)."""
     seconds, scheduled = [], []
-    for _ in range(steps):
+    for step in range(5 + steps):  # warm up: prefill everything that fits
         t0 = time.perf_counter()
         plan = sched.schedule()
-        sched.update(plan, made_up_tokens(plan))
-        seconds.append(time.perf_counter() - t0)
-        scheduled.append(plan.num_seqs)
+        touched = sched.update(plan, made_up_tokens(plan))
+        if step >= 5:
+            seconds.append(time.perf_counter() - t0)
+            scheduled.append(plan.num_seqs)
+        if replace is not None:
+            for _ in range(sum(1 for r in touched if r.is_finished)):
+                sched.add(replace())
     return seconds, scheduled
 
 
@@ -105,12 +130,12 @@ def python_reference_us() -> float:
     return 1e6 * min(timeit.repeat(reads, number=1, repeat=20))
 
 
-def situations(live: str) -> list[tuple[str, bool, int]]:
-    return [(p, c, int(n)) for c in (False, True) for p in ("fcfs", "rotary") for n in live.split(",")]
+def situations(live: str) -> list[tuple[str, str, int]]:
+    return [(p, s, int(n)) for s in SITUATIONS for p in ("fcfs", "rotary") for n in live.split(",")]
 
 
-def key(policy: str, contention: bool, live: int) -> str:
-    return f"{policy}-{'contention' if contention else 'fits'}-{live}"
+def key(policy: str, situation: str, live: int) -> str:
+    return f"{policy}-{situation}-{live}"
 
 
 def summary(times: list[float], scheduled: list[int]) -> dict[str, float]:
@@ -121,11 +146,11 @@ def summary(times: list[float], scheduled: list[int]) -> dict[str, float]:
     }
 
 
-def in_checkout(checkout: Path, policy: str, contention: bool, live: int, steps: int) -> tuple[list[float], list[int]]:
+def in_checkout(checkout: Path, policy: str, situation: str, live: int, steps: int) -> tuple[list[float], list[int]]:
     """This file's `--child` run under another checkout's venv (-P: this folder, which holds a
     copy.py, must not shadow the standard library)."""
     python = checkout / ".venv" / "bin" / "python"
-    cmd = [str(python), "-P", __file__, "--child", policy, str(int(contention)), str(live), "--steps", str(steps)]
+    cmd = [str(python), "-P", __file__, "--child", policy, situation, str(live), "--steps", str(steps)]
     out = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} in {checkout} failed:\n{out.stderr[-3000:]}")
@@ -136,15 +161,15 @@ def in_checkout(checkout: Path, policy: str, contention: bool, live: int, steps:
 def against(old: Path, live: str, steps: int, rounds: int) -> dict[str, dict[str, float]]:
     here = Path(__file__).resolve().parent.parent
     figures: dict[str, dict[str, float]] = {}
-    for policy, contention, n in situations(live):
+    for policy, situation, n in situations(live):
         runs: dict[str, tuple[list[float], list[int]]] = {"old": ([], []), "new": ([], [])}
         for r in range(rounds):  # alternating which goes first: the second of a pair tends to run faster
             pair = (("old", old), ("new", here))
             for label, checkout in pair if r % 2 == 0 else pair[::-1]:
-                times, scheduled = in_checkout(checkout, policy, contention, n, steps)
+                times, scheduled = in_checkout(checkout, policy, situation, n, steps)
                 runs[label][0].extend(times)
                 runs[label][1].extend(scheduled)
-        k = key(policy, contention, n)
+        k = key(policy, situation, n)
         figures[k], figures[f"{k}-old"] = summary(*runs["new"]), summary(*runs["old"])
         figures[k]["speedup"] = figures[f"{k}-old"]["median_ms"] / figures[k]["median_ms"]
         print(
@@ -175,21 +200,22 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="python of a venv with vLLM: time its scheduler too")
     parser.add_argument("--against", type=Path, help="an older checkout with its own .venv: time both, interleaved")
     parser.add_argument("--rounds", type=int, default=3, help="with --against: runs per situation and checkout")
-    parser.add_argument("--child", nargs=3, metavar=("POLICY", "CONTENTION", "LIVE"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("POLICY", "SITUATION", "LIVE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        policy, contention, live = args.child
-        times, scheduled = time_steps(build(policy, int(live), contention == "1"), args.steps)
+        policy, situation, live = args.child
+        times, scheduled = time_steps(*build(policy, int(live), situation), steps=args.steps)
         print(json.dumps({"seconds": times, "scheduled": scheduled}))
         return
     figures: dict[str, dict[str, float]] = {}
     if args.against:
         figures = against(args.against.resolve(), args.live, args.steps, args.rounds)
     else:
-        for policy, contention, n in situations(args.live):
-            f = figures[key(policy, contention, n)] = summary(*time_steps(build(policy, n, contention), args.steps))
+        for policy, situation, n in situations(args.live):
+            sched, replace = build(policy, n, situation)
+            f = figures[key(policy, situation, n)] = summary(*time_steps(sched, args.steps, replace))
             print(
-                f"{key(policy, contention, n):28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
+                f"{key(policy, situation, n):28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
                 f"   ({f['scheduled_reqs_median']:.0f} reqs/step)",
                 flush=True,
             )

@@ -421,13 +421,16 @@ class ReferenceScheduler:
             self.step_time.observe(shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
         touched = []
-        for req, seq in zip(submitted.requests + submitted.decoded, seqs, strict=True):
+        for k, (req, seq) in enumerate(zip(submitted.requests + submitted.decoded, seqs, strict=True)):
             if seq.sample:
                 req.num_pending_tokens -= 1
             if req.is_finished:
                 continue
             if req.status is RequestStatus.RUNNING:
-                self.kv.commit_full_blocks(req, seq.start_pos, seq.context_len)
+                if k < len(plan.seqs):
+                    self.kv.commit_full_blocks(req, seq.start_pos, seq.context_len)
+                elif seq.context_len % self.kv.block_size == 0:  # a decode row that filled its block
+                    self.kv.filled([req], [seq.start_pos // self.kv.block_size])
             if not seq.sample:
                 continue
             req.append_token(sampled[seq.request_id])

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from superinfer.engine.core import policies, scheduler
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv import KVCacheManager, block_hashes
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import (
     MIN_PREFILL_CHUNK,
@@ -373,30 +373,48 @@ def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):
     assert sum(r is not None for r in reused) > 3
 
 
-def test_commit_blocks_registers_what_commit_block_does_one_by_one():
-    """One call for a step's filled blocks: the same hashes, the same cached block for content
-    two requests share (the first one's), a request whose hashes lag behind caught up."""
+def test_block_hashes_chain_each_block_to_the_one_before():
+    """Hashing many blocks in one call gives what hashing them one at a time gives, and a block's
+    hash depends on every token before it."""
+    tokens = list(range(1000, 1012))
+    at_once = block_hashes(b"", tokens, 4)
+    one_by_one = [b""]
+    for i in range(3):
+        one_by_one += block_hashes(one_by_one[-1], tokens[4 * i : 4 * i + 4], 4)
+    assert at_once == one_by_one[1:] and len(set(at_once)) == 3
+    assert block_hashes(b"", [9, *tokens[1:]], 4)[2] != at_once[2]
+    assert block_hashes(b"", tokens[:7], 4) == at_once[:1]  # a partial block has no hash
+
+
+@pytest.mark.parametrize("release", ["finish", "rotate_out"])
+def test_blocks_a_decode_fills_are_findable_once_the_request_releases_them(release):
+    """A block a decode row fills joins the prefix cache when its request releases it, as far
+    as the completed steps wrote it: while the request runs (its output is nobody else's
+    prefix yet) and beyond its last completed decode row (a step still in flight writes it),
+    a lookup does not find it."""
     bs = 4
+    kv = KVCacheManager(16, bs, num_cpu_blocks=16)
+    req = Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=16), 0.0)
+    assert kv.allocate(req, 5)
+    req.num_computed_tokens = 5
+    kv.commit_full_blocks(req, 0, 5)  # the prompt's full block: findable at once
+    req.token_ids += [1, 2, 3, 4, 5, 6, 7]  # decoded: blocks 1 and 2 are full
+    assert kv.allocate(req, 7)
+    req.num_computed_tokens = 12
+    kv.filled([req], [1])  # the step that filled block 1 is done; block 2's still runs
 
-    def filled(kv: KVCacheManager) -> list[Request]:
-        reqs = []
-        for i, prompt in enumerate([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1]]):
-            req = Request(f"r{i}", prompt, SamplingParams(max_tokens=8), 0.0)
-            assert kv.allocate(req, len(prompt))
-            req.token_ids += [3, 3, 3]  # its last block fills: the second (the last one's third)
-            reqs.append(req)
-        reqs[2].block_hashes.clear()  # never hashed: commit catches it up
-        return reqs
+    def found() -> list[int]:
+        return [kv.pool.lookup(h) for h in kv.update_hashes(req)]
 
-    one, batched = KVCacheManager(16, bs), KVCacheManager(16, bs)
-    by_one, at_once = filled(one), filled(batched)
-    for req, index in zip(by_one, [1, 1, 2], strict=True):
-        one.commit_block(req, index)
-    batched.commit_blocks(at_once, [1, 1, 2])
-    assert [r.block_hashes for r in by_one] == [r.block_hashes for r in at_once]
-    assert one.pool.cached == batched.pool.cached and one.pool.hash_of == batched.pool.hash_of
-    assert one.pool.in_use == batched.pool.in_use
-    assert batched.pool.cached[at_once[1].block_hashes[1]] == at_once[0].block_ids[1]
+    assert found() == [req.block_ids[0], None, None]
+    blocks = req.block_ids
+    if release == "finish":
+        kv.free(req)
+    else:
+        assert kv.swap_out(req, step=1) is not None
+        kv.retire(1)  # its copies are done
+    assert found() == [blocks[0], blocks[1], None]
+    assert req.decoded_blocks == 0
 
 
 @pytest.mark.parametrize("distinct", [3, 20], ids=["compared", "isin"])

@@ -23,11 +23,10 @@ released block that an unfinished step still touches carries that step as a fenc
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import struct
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
 
@@ -42,14 +41,14 @@ def _newest(blocks: Iterable[int], fences: dict[int, int]) -> int:
     return max(map(fences.get, blocks, repeat(0)), default=0)
 
 
-@functools.cache
-def _packer(num_tokens: int) -> Callable[..., bytes]:
-    return struct.Struct(f"<{num_tokens}q").pack
-
-
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Hash of one full block of tokens, chained with its parent block's hash."""
-    return hashlib.blake2b(parent + _packer(len(tokens))(*tokens), digest_size=16).digest()
+def block_hashes(parent: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The hash of each full block of `tokens` in turn, chained: a block's hash covers its
+    tokens and the hash of the block before it (`parent` for the first)."""
+    data, width, hashes = array("q", tokens).tobytes(), 8 * block_size, []
+    for start in range(0, len(data) - width + 1, width):
+        parent = hashlib.blake2b(parent + data[start : start + width], digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
 
 
 class SwapIn(NamedTuple):
@@ -284,8 +283,9 @@ class KVCacheManager:
     def update_hashes(self, req: Request) -> list[bytes]:
         """Extend the request's prefix hashes to every full block of its known tokens."""
         bs, hashes, tokens = self.block_size, req.block_hashes, req.token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(block_hash(hashes[-1] if hashes else b"", tokens[i * bs : (i + 1) * bs]))
+        known, full = len(hashes), len(tokens) // bs
+        if full > known:
+            hashes += block_hashes(hashes[-1] if hashes else b"", tokens[known * bs : full * bs], bs)
         return hashes
 
     def cached_prefix(self, req: Request) -> list[int]:
@@ -371,24 +371,30 @@ class KVCacheManager:
         for i in range(start // bs, min(end // bs, len(block_ids), len(hashes))):
             register(block_ids[i], hashes[i])
 
-    def commit_block(self, req: Request, index: int) -> None:
-        """commit_full_blocks for one block that just filled (a decode's), hashing only it."""
-        self.commit_blocks([req], [index])
-
-    def commit_blocks(self, requests: Sequence[Request], indices: Sequence[int]) -> None:
-        """commit_block of each request with the block index beside it, in order (a step's
-        decodes that fill a block: dozens a step at scale)."""
-        bs, blocks, block_hashes = self.block_size, [], []
+    def filled(self, requests: Sequence[Request], indices: Sequence[int]) -> None:
+        """Each request's decode row filled its block at the index beside it (the step is done).
+        Such a block is registered in the prefix cache when the request releases it (finished,
+        preempted or rotated out), in one pass over its blocks: while the request runs, its
+        output is no other request's prefix, and hashing a block a row costs more than the rest
+        of the row's update. (Prompt blocks are registered as their chunks complete:
+        `commit_full_blocks`.)"""
         for req, index in zip(requests, indices, strict=True):
-            hashes = req.block_hashes
-            if len(hashes) == index:
-                hashes.append(block_hash(hashes[-1] if hashes else b"", req.token_ids[index * bs : (index + 1) * bs]))
-            elif len(hashes) < index:
-                self.update_hashes(req)
-            if index < len(req.block_ids):
-                blocks.append(req.block_ids[index])
-                block_hashes.append(hashes[index])
-        self.pool.register_all(blocks, block_hashes)
+            req.decoded_blocks = index + 1
+
+    def _register_decoded(self, req: Request) -> None:
+        """Register the full blocks the request's completed decode rows filled, before it
+        releases them. Those already registered (prompt blocks, blocks from the cache or copied
+        in) end the backward scan."""
+        final = min(req.decoded_blocks, len(req.block_ids))
+        req.decoded_blocks = 0
+        if not self.enable_prefix_caching or final <= 0:
+            return
+        blocks, hash_of = req.block_ids, self.pool.hash_of
+        first = final
+        while first > 0 and hash_of[blocks[first - 1]] is None:
+            first -= 1
+        if first < final:
+            self.pool.register_all(blocks[first:final], self.update_hashes(req)[first:final])
 
     def free(self, req: Request) -> None:
         """Release the request's blocks in both tiers, tail first so shared prefixes go last.
@@ -396,6 +402,7 @@ class KVCacheManager:
         Blocks an unfinished copy touches stay quarantined until its step completes.
         """
         self._forget_swap_out(req)
+        self._register_decoded(req)
         self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
         if self.cpu:
@@ -531,6 +538,7 @@ class KVCacheManager:
             req.cpu_tail = tail
             copies.append((req.block_ids[req.num_computed_tokens // self.block_size], tail))
             self._copying([copies[-1][0]], [tail], step)
+        self._register_decoded(req)
         self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
         self.swapped_out.add(req)

@@ -661,7 +661,7 @@ class Scheduler:
         if fills:  # (the rows still in their slot, at once; the others one by one below)
             committed = fills if keep is None else [k for k in fills if keep[k]]
             bs = self.kv.block_size
-            self.kv.commit_blocks([reqs[k] for k in committed], [rows.start_pos[k] // bs for k in committed])
+            self.kv.filled([reqs[k] for k in committed], [rows.start_pos[k] // bs for k in committed])
         may_stop = b.may_stop(live_array) | (b.np_num_tokens[slots] >= b.np_limit[slots])
         if keep is not None:  # by row: the live rows' verdicts, and every row out of its slot
             by_row = ~in_slot
@@ -714,7 +714,7 @@ class Scheduler:
                     max_gap[slot] = gap  # (running: its TBT cannot be lost now, see _apply_decodes)
             t_last[slot] = now
             if k in fills:
-                self.kv.commit_block(req, rows.start_pos[k] // bs)
+                self.kv.filled((req,), (rows.start_pos[k] // bs,))
             if (token in req.stop_token_set or num_tokens[slot] >= limit[slot]) and (
                 reason := req.stop_reason()
             ) is not None:
@@ -729,7 +729,7 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED:
             return False
         if fills_block and req.status is RequestStatus.RUNNING:
-            self.kv.commit_block(req, start // self.kv.block_size)
+            self.kv.filled((req,), (start // self.kv.block_size,))
         self._apply_token(req, token, now)
         return True
 
