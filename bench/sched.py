@@ -204,7 +204,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         policy, situation, live = args.child
-        times, scheduled = time_steps(*build(policy, int(live), situation), steps=args.steps)
+        sched, replace = build(policy, int(live), situation)
+        times, scheduled = time_steps(sched, args.steps, replace)
         print(json.dumps({"seconds": times, "scheduled": scheduled}))
         return
     figures: dict[str, dict[str, float]] = {}
