@@ -164,21 +164,25 @@ class BlockPool:
         `computed_in`. A block reaching zero goes to the free list's tail, or, while a copy of an
         unfinished step touches it, into quarantine until that step retires."""
         fence = computed_in if computed_in > self.completed else 0
-        for block in blocks:
-            if fence and self.computing.get(block, 0) < fence:
-                self.computing[block] = fence
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] < 0:
-                raise RuntimeError(f"block {block} released more often than it was taken")
-            if self.ref_cnt[block] == 0:
-                h = self.hash_of[block]
-                if h is not None and self.cached.get(h) == block:
-                    self._unuse(h)
-                copy_fence = self.copying.get(block)
-                if copy_fence is None or (self.reuse_under_copy and copy_fence < self.planning):
-                    self.free[block] = None
-                else:
-                    self.held[block] = copy_fence
+        ref_cnt, hash_of, cached = self.ref_cnt, self.hash_of, self.cached
+        copying, computing = self.copying, self.computing
+        reuse_before = self.planning if self.reuse_under_copy else 0  # a copy of an earlier step: free
+        for block in blocks:  # (a finished request's dozens of blocks: locals only)
+            if fence and computing.get(block, 0) < fence:
+                computing[block] = fence
+            n = ref_cnt[block] = ref_cnt[block] - 1
+            if n:
+                if n < 0:
+                    raise RuntimeError(f"block {block} released more often than it was taken")
+                continue
+            h = hash_of[block]
+            if h is not None and cached.get(h) == block:
+                self._unuse(h)
+            copy_fence = copying.get(block)
+            if copy_fence is None or copy_fence < reuse_before:
+                self.free[block] = None
+            else:
+                self.held[block] = copy_fence
 
     def retire(self, completed_step: int) -> None:
         """Steps up to `completed_step` are done: their copies are over, their quarantine is free."""
