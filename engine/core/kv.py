@@ -23,10 +23,11 @@ released block that an unfinished step still touches carries that step as a fenc
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
 
@@ -41,11 +42,18 @@ def _newest(blocks: Iterable[int], fences: dict[int, int]) -> int:
     return max(map(fences.get, blocks, repeat(0)), default=0)
 
 
+@functools.cache
+def _packer(num_tokens: int) -> Callable[..., bytes]:
+    return struct.Struct(f"<{num_tokens}q").pack
+
+
 def block_hashes(parent: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
     """The hash of each full block of `tokens` in turn, chained: a block's hash covers its
     tokens and the hash of the block before it (`parent` for the first)."""
-    data, width, hashes = array("q", tokens).tobytes(), 8 * block_size, []
-    for start in range(0, len(data) - width + 1, width):
+    width, hashes = 8 * block_size, []
+    full = len(tokens) - len(tokens) % block_size
+    data = _packer(full)(*tokens[:full])  # (one call for all the blocks)
+    for start in range(0, len(data), width):
         parent = hashlib.blake2b(parent + data[start : start + width], digest_size=16).digest()
         hashes.append(parent)
     return hashes
