@@ -14,8 +14,10 @@ hashed, the finished ones' blocks registered in the prefix cache).
 With --vllm-python, bench/vllm_sched.py runs the same situations through vLLM's own scheduler
 in that venv (`make vllm-env`), in the same run, and the record holds both. With --against, each
 situation runs `--rounds` times in each checkout (this file, under that checkout's `.venv`, so it
-imports that checkout's scheduler), alternating, and the record holds both and their ratio: these
-machines' speed varies by 2-3x from day to day, so only figures of one run compare. Every record
+imports that checkout's scheduler), alternating, and the record holds both, the ratio of their
+medians and the median (and range) of each round's ratio (`paired_speedup`: the two runs of a
+round share the machine's hour): these machines' speed varies by 2-3x from day to day and
+within a run, so only figures of one run compare. Every record
 also holds `python_reference_us`, a fixed pure-Python loop timed in the same run, for scale.
 """
 
@@ -32,6 +34,7 @@ import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -158,23 +161,30 @@ def in_checkout(checkout: Path, policy: str, situation: str, live: int, steps: i
     return got["seconds"], got["scheduled"]
 
 
-def against(old: Path, live: str, steps: int, rounds: int) -> dict[str, dict[str, float]]:
+def against(old: Path, live: str, steps: int, rounds: int) -> dict[str, dict[str, Any]]:
     here = Path(__file__).resolve().parent.parent
-    figures: dict[str, dict[str, float]] = {}
+    figures: dict[str, dict[str, Any]] = {}
     for policy, situation, n in situations(live):
         runs: dict[str, tuple[list[float], list[int]]] = {"old": ([], []), "new": ([], [])}
+        ratios = []  # each round's old median over its new median: a pair shares the machine's hour
         for r in range(rounds):  # alternating which goes first: the second of a pair tends to run faster
             pair = (("old", old), ("new", here))
+            medians = {}
             for label, checkout in pair if r % 2 == 0 else pair[::-1]:
                 times, scheduled = in_checkout(checkout, policy, situation, n, steps)
                 runs[label][0].extend(times)
                 runs[label][1].extend(scheduled)
+                medians[label] = statistics.median(times)
+            ratios.append(medians["old"] / medians["new"])
         k = key(policy, situation, n)
         figures[k], figures[f"{k}-old"] = summary(*runs["new"]), summary(*runs["old"])
         figures[k]["speedup"] = figures[f"{k}-old"]["median_ms"] / figures[k]["median_ms"]
+        figures[k]["paired_speedup"] = statistics.median(ratios)
+        figures[k]["paired_speedup_range"] = [min(ratios), max(ratios)]
         print(
             f"{k:28s} old {figures[f'{k}-old']['median_ms']:7.2f} ms  new {figures[k]['median_ms']:7.2f} ms"
-            f"  speedup {figures[k]['speedup']:.2f}x",
+            f"  speedup {figures[k]['speedup']:.2f}x  paired {figures[k]['paired_speedup']:.2f}x"
+            f" ({min(ratios):.2f}-{max(ratios):.2f})",
             flush=True,
         )
     return figures
@@ -208,7 +218,7 @@ def main() -> None:
         times, scheduled = time_steps(sched, args.steps, replace)
         print(json.dumps({"seconds": times, "scheduled": scheduled}))
         return
-    figures: dict[str, dict[str, float]] = {}
+    figures: dict[str, dict[str, Any]] = {}
     if args.against:
         figures = against(args.against.resolve(), args.live, args.steps, args.rounds)
     else:
