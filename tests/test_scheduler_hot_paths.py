@@ -417,6 +417,28 @@ def test_blocks_a_decode_fills_are_findable_once_the_request_releases_them(relea
     assert req.decoded_blocks == 0
 
 
+def test_write_through_indexes_prompt_blocks_only_and_waits_for_copies_in_flight():
+    """Output blocks go to the CPU tier without a content lookup or an index entry (nobody
+    else's prefix while the request runs); a block an unfinished copy touches (a copy-in may
+    still write it) is not copied, nor its request rotated out, until that copy's step retires."""
+    kv = KVCacheManager(16, 2, num_cpu_blocks=16)
+    req = Request("r", [5, 6, 7], SamplingParams(max_tokens=16), 0.0)
+    assert kv.allocate(req, 3)
+    req.num_computed_tokens = 3
+    req.token_ids += [8, 9, 10, 11]  # 7 tokens: block 0 of the prompt, blocks 1 and 2 with output
+    assert kv.allocate(req, 4)
+    req.num_computed_tokens = 7
+    blocks = req.block_ids
+    kv.pool.copied([req.block_ids[2]], step=1)  # step 1 copies into its third block
+    assert kv.write_through(req, budget=8, step=2) == list(zip(req.block_ids[:2], req.cpu_block_ids, strict=True))
+    assert [kv.cpu.hash_of[b] is not None for b in req.cpu_block_ids] == [True, False]
+    assert kv.cpu.lookup(kv.update_hashes(req)[0]) == req.cpu_block_ids[0]
+    assert kv.swap_out(req, step=2) is None
+    kv.retire(1)
+    copies = kv.swap_out(req, step=3)
+    assert copies is not None and [g for g, _ in copies] == blocks[2:]  # the third block, then the tail
+
+
 @pytest.mark.parametrize("distinct", [3, 20], ids=["compared", "isin"])
 def test_stop_candidates_are_the_running_requests_stop_tokens(distinct):
     """RunningBatch.may_stop: a token that may stop any running request, counted as requests

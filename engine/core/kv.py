@@ -19,6 +19,9 @@ released block that an unfinished step still touches carries that step as a fenc
 - touched by compute only: free at once for compute, which runs steps in order on one lane; the
   pool hands such blocks to copy-ins last, and a copy-in that gets one waits for that step's
   compute (`StepPlan.swap_in_after`). Copy-in of step t+1 otherwise overlaps step t's compute.
+- a block an unfinished copy touches is not copied out (written through, or its request rotated
+  out) until that copy's step retires: a copy-in may still be writing it, and a request admitted
+  in the step of a swap-in can share a block the swap-in copies in.
 """
 
 from __future__ import annotations
@@ -437,24 +440,30 @@ class KVCacheManager:
         Only blocks full within the first `complete_tokens` tokens (default: all computed ones)
         are copied: KV the step being planned will write is not final yet. Returns (gpu block,
         cpu block) copies. A block whose content the CPU tier already holds (same prefix hash)
-        is shared, not copied.
+        is shared, not copied. Only prompt blocks are looked up and registered in the tier: a
+        running request's output is no other request's (its hashes are computed when it rotates
+        out). A block an unfinished copy touches is not copied (a copy-in may still be writing
+        it): the copies stop there until that copy is done.
         """
         copies: list[tuple[int, int]] = []
         done = req.num_computed_tokens if complete_tokens is None else complete_tokens
-        full = min(done // self.block_size, len(req.block_ids))
-        if self.cpu is None or full <= len(req.cpu_block_ids):
+        first, full = len(req.cpu_block_ids), min(done // self.block_size, len(req.block_ids))
+        if self.cpu is None or full <= first:
             return copies  # nothing newly full (the common decode step)
-        hashes = self.update_hashes(req)
-        for i in range(len(req.cpu_block_ids), full):
-            known = self.cpu.lookup(hashes[i])
+        prompt_full = len(req.prompt_token_ids) // self.block_size
+        hashes = self.update_hashes(req) if prompt_full > first else []
+        copying = self.pool.copying
+        for i in range(first, full):
+            known = self.cpu.lookup(hashes[i]) if i < prompt_full else None
             if known is not None:
                 self.cpu.touch(known)
                 req.cpu_block_ids.append(known)
                 continue
-            if len(copies) >= budget or self.cpu.num_free == 0:
+            if len(copies) >= budget or self.cpu.num_free == 0 or req.block_ids[i] in copying:
                 break
             (block,) = self.cpu.allocate(1)
-            self.cpu.register(block, hashes[i])
+            if i < prompt_full:
+                self.cpu.register(block, hashes[i])
             req.cpu_block_ids.append(block)
             copies.append((req.block_ids[i], block))
         self._copying((g for g, _ in copies), (c for _, c in copies), step)
@@ -465,8 +474,8 @@ class KVCacheManager:
     ) -> tuple[list[Request], list[tuple[int, int]]]:
         """`write_through` of each (request, complete tokens) in turn while `budget` lasts: the
         requests that got copies, and all the copies, in order. Newly full blocks of decodes are
-        new content: then the CPU blocks for all of them are taken at once; if one's content is
-        in the tier already, one by one."""
+        new content: then the CPU blocks for all of them are taken at once; if a prompt block's
+        content is in the tier already, one by one."""
         planned = self._plan_new_copies(targets, budget)
         copied: list[Request] = []
         if planned is None:
@@ -481,7 +490,9 @@ class KVCacheManager:
             return copied, copies
         planned, hashes = planned
         blocks = self.cpu.allocate(len(hashes))
-        self.cpu.register_all(blocks, hashes)
+        prompt = [k for k, h in enumerate(hashes) if h is not None]
+        if prompt:
+            self.cpu.register_all([blocks[k] for k in prompt], [hashes[k] for k in prompt])  # type: ignore[misc]
         sources: list[int] = []
         taken = 0
         for req, first, n in planned:
@@ -494,35 +505,41 @@ class KVCacheManager:
 
     def _plan_new_copies(
         self, targets: Sequence[tuple[Request, int]], budget: int
-    ) -> tuple[list[tuple[Request, int, int]], list[bytes]] | None:
+    ) -> tuple[list[tuple[Request, int, int]], list[bytes | None]] | None:
         """(request, first block, blocks) that `write_through` one by one would copy, and those
-        blocks' hashes in order, provided none of the blocks it would look at has content the
-        CPU tier holds (or may hold: a quarantined block's), or shares content with another of
-        them; else None. Without such hits, nothing but the copies changes the tier in between,
-        so one allocation for all hands out the same blocks."""
+        blocks' hashes in order (None for an output block: not looked up), provided none of the
+        prompt blocks it would look at has content the CPU tier holds (or may hold: a
+        quarantined block's), or shares content with another of them; else None. Without such
+        hits, nothing but the copies changes the tier in between, so one allocation for all
+        hands out the same blocks."""
         if self.cpu is None:
             return [], []
-        bs, cached = self.block_size, self.cpu.cached
+        bs, cached, copying = self.block_size, self.cpu.cached, self.pool.copying
         limit = min(budget, self.cpu.num_free)
         planned: list[tuple[Request, int, int]] = []
-        seen: dict[bytes, None] = {}  # the hashes of the blocks to copy, in order
+        hashes: list[bytes | None] = []  # of the blocks to copy, in order
+        seen: set[bytes] = set()
         for req, complete in targets:
-            if len(seen) >= budget:
+            if len(hashes) >= budget:
                 break
             first, full = len(req.cpu_block_ids), min(complete // bs, len(req.block_ids))
             if full <= first:
                 continue
-            hashes = req.block_hashes if len(req.block_hashes) >= full else self.update_hashes(req)
-            before = len(seen)
-            for h in hashes[first:full]:
-                if h in seen or h in cached:
+            prompt_full = len(req.prompt_token_ids) // bs
+            own = self.update_hashes(req) if prompt_full > first else []
+            block_ids, before = req.block_ids, len(hashes)
+            for i in range(first, full):
+                h = own[i] if i < prompt_full else None
+                if h is not None and (h in seen or h in cached):
                     return None
-                if len(seen) >= limit:
+                if len(hashes) >= limit or block_ids[i] in copying:
                     break
-                seen[h] = None
-            if len(seen) > before:
-                planned.append((req, first, len(seen) - before))
-        return planned, list(seen)
+                if h is not None:
+                    seen.add(h)
+                hashes.append(h)
+            if len(hashes) > before:
+                planned.append((req, first, len(hashes) - before))
+        return planned, hashes
 
     def _copying(self, gpu_blocks: Iterable[int], cpu_blocks: Iterable[int], step: int) -> None:
         self.pool.copied(gpu_blocks, step)
@@ -544,6 +561,8 @@ class KVCacheManager:
         """
         if self.cpu is None or self.swap_out_cost(req) > self.cpu.num_free:
             return None
+        if self.pool.copying and not self.pool.copying.keys().isdisjoint(req.block_ids[len(req.cpu_block_ids) :]):
+            return None  # a copy-in may still be writing one of its blocks: not before it is done
         copies = self.write_through(req, len(req.block_ids), step)
         if req.num_computed_tokens % self.block_size:
             (tail,) = self.cpu.allocate(1)
