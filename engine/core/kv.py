@@ -490,9 +490,7 @@ class KVCacheManager:
             return copied, copies
         planned, hashes = planned
         blocks = self.cpu.allocate(len(hashes))
-        prompt = [k for k, h in enumerate(hashes) if h is not None]
-        if prompt:
-            self.cpu.register_all([blocks[k] for k in prompt], [hashes[k] for k in prompt])  # type: ignore[misc]
+        self.cpu.register_all([b for b, h in zip(blocks, hashes, strict=True) if h], [h for h in hashes if h])
         sources: list[int] = []
         taken = 0
         for req, first, n in planned:

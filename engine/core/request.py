@@ -115,7 +115,7 @@ class Request:
     _slot: int = field(default=-1, init=False, repr=False)
     block_ids: list[int] = field(default_factory=list)  # GPU block table; plans share it, so it is replaced, not grown
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
-    decoded_blocks: int = 0  # its first blocks whose KV its completed steps wrote (see KVCacheManager.filled)
+    decoded_blocks: int = 0  # its first blocks its completed decode rows wrote (KVCacheManager.filled)
     cpu_block_ids: list[int] = field(default_factory=list)  # CPU copies of its first full blocks
     cpu_tail: int | None = None  # CPU copy of its partial last block while rotated out
     num_rotations: int = 0
