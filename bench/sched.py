@@ -100,7 +100,7 @@ def time_steps(sched: Scheduler, steps: int, replace: Replacer | None = None) ->
     `replace`, each request that finished gets a new one in its place between steps (not
     timed: a server thread adds requests)."""
     seconds, scheduled = [], []
-    for step in range(5 + steps):  # warm up: prefill everything that fits
+    for step in range(5 + steps):  # the first 5 untimed: they prefill everything that fits
         t0 = time.perf_counter()
         plan = sched.schedule()
         touched = sched.update(plan, made_up_tokens(plan))
