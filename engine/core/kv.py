@@ -138,9 +138,13 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
         head = list(islice(self.free, n))
         if not any(avoid) or all(fences.keys().isdisjoint(head) for fences in avoid):  # the common case
-            for block in head:
-                del self.free[block]
-            return [self._take(b) for b in head]
+            free, ref_cnt, hash_of = self.free, self.ref_cnt, self.hash_of
+            for block in head:  # (`_take` of each, inlined: a step takes dozens)
+                del free[block]
+                if hash_of[block] is not None:
+                    self._drop_hash(block)
+                ref_cnt[block] = 1
+            return head
         clean: list[int] = []
         if any(avoid):  # from the head; past n + (fenced blocks) blocks, no unfenced one is left
             head = islice(self.free, n + sum(map(len, avoid)))
@@ -477,8 +481,8 @@ class KVCacheManager:
         new content: then the CPU blocks for all of them are taken at once; if a prompt block's
         content is in the tier already, one by one."""
         planned = self._plan_new_copies(targets, budget)
-        copied: list[Request] = []
         if planned is None:
+            copied: list[Request] = []
             copies: list[tuple[int, int]] = []
             for req, complete in targets:
                 if budget <= len(copies):
@@ -488,10 +492,41 @@ class KVCacheManager:
                     copied.append(req)
                     copies += own
             return copied, copies
-        planned, hashes = planned
+        return self._copy_planned(*planned, step)
+
+    def write_through_outputs(
+        self, targets: Iterable[tuple[Request, int, int]], step: int
+    ) -> tuple[list[Request], list[tuple[int, int]]]:
+        """`write_through_all` for (request, first block, blocks) whose blocks are all output
+        blocks (past the prompt's full blocks: no hash, no lookup) and fit the transfer budget
+        and the CPU tier's free blocks (the caller checked): the steady state of a decode batch,
+        without the per-block look at the tier. A request's copies stop at its first block that
+        an unfinished copy touches, as `write_through`'s do."""
+        copying = self.pool.copying
+        planned: list[tuple[Request, int, int]] = []
+        total = 0
+        for req, first, n in targets:
+            if copying:
+                block_ids, k = req.block_ids, 0
+                while k < n and block_ids[first + k] not in copying:
+                    k += 1
+                n = k
+            if n:
+                planned.append((req, first, n))
+                total += n
+        return self._copy_planned(planned, [None] * total, step)
+
+    def _copy_planned(
+        self, planned: list[tuple[Request, int, int]], hashes: list[bytes | None], step: int
+    ) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Copy each (request, first block, blocks) to CPU blocks taken at once, registering
+        those with a hash (prompt blocks) in the tier's index."""
+        assert self.cpu is not None
         blocks = self.cpu.allocate(len(hashes))
-        self.cpu.register_all([b for b, h in zip(blocks, hashes, strict=True) if h], [h for h in hashes if h])
+        if any(hashes):
+            self.cpu.register_all([b for b, h in zip(blocks, hashes, strict=True) if h], [h for h in hashes if h])
         sources: list[int] = []
+        copied: list[Request] = []
         taken = 0
         for req, first, n in planned:
             req.cpu_block_ids += blocks[taken : taken + n]

@@ -6,8 +6,8 @@ A running request owns a slot. While it runs, its counters that change every ste
 slot, and the scheduler serves thousands of plain decodes with a few vector operations instead of
 a Python loop over them. The batch also mirrors what the decode path reads of each request (its
 token count and newest token, block count and blocks written through to the CPU tier, length
-limit, TBT SLO, whether it is a plain decode), kept current by the scheduler, and counts the
-tokens that may stop a running request. When the request stops running, its counters go back
+limit, prompt length, TBT SLO, whether it is a plain decode), kept current by the scheduler, and
+counts the tokens that may stop a running request. When the request stops running, its counters go back
 into the Request.
 
 The gaps between a decode's tokens wait in the slot's tail (a row of a 2-D array: one numpy write
@@ -45,6 +45,7 @@ _COLUMNS = {
     "nblocks": "q",  # len(block_ids)
     "written": "q",  # len(cpu_block_ids): its first blocks with a copy in the CPU tier
     "limit": "q",  # length_limit
+    "prompt_len": "q",  # len(prompt_token_ids)
     "plain": "b",  # no min_tokens: a decode row of it samples with nothing banned
     "tbt_ms": "d",  # its TBT SLO
     "priority": "q",
@@ -155,6 +156,7 @@ class RunningBatch:
         self.last_token[slot] = req.token_ids[-1]
         self.nblocks[slot], self.written[slot] = len(req.block_ids), len(req.cpu_block_ids)
         self.limit[slot] = req.length_limit
+        self.prompt_len[slot] = len(req.prompt_token_ids)
         self.plain[slot] = not req.sampling.min_tokens
         self.tbt_ms[slot] = req.slo.tbt_ms
         if req.slo_class not in self.slo_classes:

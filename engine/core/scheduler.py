@@ -785,18 +785,26 @@ class Scheduler:
         rows = np.flatnonzero(unwritten > 0)
         if not len(rows):
             return
-        slots, done = slots[rows], done[rows]
+        slots, done, counts = slots[rows], done[rows], unwritten[rows]
         # The step that wrote those blocks: the one before this step, for a request this step computes.
         wrote = np.where(b.np_last_step[slots] == step.id, b.np_prev_step[slots], b.np_last_step[slots])
         reqs = b.requests[slots].tolist()
-        complete = dict(zip(reqs, done.tolist(), strict=True))
-        order = reqs
-        if len(order) > 1 and int(unwritten[rows].sum()) > min(step.transfer_left, kv.cpu.num_free):
-            order = self.policy.rotation_order(order, step.now)
-        copied, copies = kv.write_through_all([(r, complete[r]) for r in order], step.transfer_left, step.id)
+        firsts = b.np_written[slots]
+        fit = int(counts.sum()) <= min(step.transfer_left, kv.cpu.num_free)
+        if fit and np.count_nonzero(firsts < b.np_prompt_len[slots] // kv.block_size) == 0:
+            # Only output blocks, within the budget and the tier's room: the steady state.
+            copied, copies = kv.write_through_outputs(zip(reqs, firsts.tolist(), counts.tolist(), strict=True), step.id)
+        else:
+            order = reqs if fit or len(reqs) == 1 else self.policy.rotation_order(reqs, step.now)
+            complete = dict(zip(reqs, done.tolist(), strict=True))
+            copied, copies = kv.write_through_all([(r, complete[r]) for r in order], step.transfer_left, step.id)
         if copies:
-            wrote_in = dict(zip(reqs, wrote.tolist(), strict=True))
-            step.swap_out_after = max(step.swap_out_after, *map(wrote_in.__getitem__, copied))
+            if len(copied) == len(reqs):
+                after = int(wrote.max())
+            else:
+                wrote_in = dict(zip(reqs, wrote.tolist(), strict=True))
+                after = max(map(wrote_in.__getitem__, copied))
+            step.swap_out_after = max(step.swap_out_after, after)
             step.swap_out += copies
             step.transfer_left -= len(copies)
         b.np_written[slots] = [len(r.cpu_block_ids) for r in reqs]
