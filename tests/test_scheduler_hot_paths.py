@@ -356,10 +356,19 @@ def test_the_traces_reach_the_paths_that_matter(monkeypatch):
     guards = []
     real_guard = policies.tbt_guard
     monkeypatch.setattr(policies, "tbt_guard", lambda *args: guards.append(real_guard(*args)) or guards[-1])
+    copy_outs = []  # of the output-blocks path: whether a copy in flight was in its way
+    real_outputs = KVCacheManager.write_through_outputs
+
+    def write_through_outputs(kv: KVCacheManager, *args: object) -> tuple[list[Request], list[tuple[int, int]]]:
+        copy_outs.append(bool(kv.pool.copying))
+        return real_outputs(kv, *args)
+
+    monkeypatch.setattr(KVCacheManager, "write_through_outputs", write_through_outputs)
     schedulers = [run_both(seed) for seed in SEEDS[:15]]
     assert sum(s.counters.rotations for s in schedulers) > 50
     assert sum(s.counters.preemptions["recompute"] for s in schedulers) > 20
     assert sum(g is not None for g in guards) > 100
+    assert copy_outs.count(True) >= 3 and copy_outs.count(False) >= 3
 
 
 def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):
@@ -437,6 +446,35 @@ def test_write_through_indexes_prompt_blocks_only_and_waits_for_copies_in_flight
     kv.retire(1)
     copies = kv.swap_out(req, step=3)
     assert copies is not None and [g for g, _ in copies] == blocks[2:]  # the third block, then the tail
+
+
+def test_output_blocks_in_one_pass_copy_what_the_general_path_copies():
+    """`write_through_outputs` (a step's newly full blocks all output blocks, within the budget)
+    plans the copies `write_through_all` plans, and stops a request's copies at a block an
+    unfinished copy touches."""
+
+    def prepared() -> tuple[KVCacheManager, list[Request]]:
+        kv = KVCacheManager(32, 2, num_cpu_blocks=32)
+        reqs = []
+        for i in range(3):
+            req = Request(f"r{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], SamplingParams(max_tokens=16), 0.0)
+            req.token_ids += [8, 9, 10, 11, 12]  # 8 tokens: the prompt's block, then 3 output blocks
+            assert kv.allocate(req, 8)
+            req.num_computed_tokens = 8
+            assert kv.write_through(req, budget=1, step=1) != []  # the prompt's block is in the tier
+            reqs.append(req)
+        kv.pool.copied([reqs[1].block_ids[2]], step=2)  # a copy in flight into r1's third block
+        return kv, reqs
+
+    kv, reqs = prepared()
+    general = kv.write_through_all([(r, 8) for r in reqs], budget=64, step=3)
+    kv2, reqs2 = prepared()
+    fast = kv2.write_through_outputs([(r, 1, 3) for r in reqs2], step=3)
+    assert [r.request_id for r in fast[0]] == [r.request_id for r in general[0]] == ["r0", "r1", "r2"]
+    assert fast[1] == general[1]
+    assert [len(r.cpu_block_ids) for r in reqs2] == [len(r.cpu_block_ids) for r in reqs] == [4, 2, 4]
+    assert all(kv2.cpu.hash_of[b] is None for r in reqs2 for b in r.cpu_block_ids[1:])
+    assert kv2.cpu.copying == kv.cpu.copying and kv2.pool.copying == kv.pool.copying
 
 
 @pytest.mark.parametrize("distinct", [3, 20], ids=["compared", "isin"])
