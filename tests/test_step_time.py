@@ -99,3 +99,20 @@ def test_guard_is_off_without_measured_steps_or_when_disabled():
     s.policy = RotaryPolicy(RotaryParams(slo_admission=False))
     decision = s.policy.decide(s, clock.now)
     assert len(decision.admit) == 6 and decision.token_budget is None
+
+
+def test_no_guard_while_only_decodes_run_and_nothing_waits():
+    """With every running request decoding and nothing waiting or rotated out, the guard's token
+    budget could not bind (it leaves a token for each running request): decide skips it. A
+    running request with a prefill chunk left brings it back."""
+    s, clock = guarded_scheduler(0.001, SLO(ttft_ms=5000, tbt_ms=105))
+    for r in list(s.waiting):
+        s.abort(r.request_id)
+    assert s.policy.decide(s, clock.now).token_budget is None
+    s.add(make_request("long", 200, max_tokens=5))
+    step(s)  # its first chunk: the guard's token budget leaves the rest for later
+    long = s.requests["long"]
+    assert long in s.running and long.num_computed_tokens < 200
+    guard = tbt_guard(s, clock.now, RotaryParams().tbt_headroom)
+    assert guard is not None
+    assert s.policy.decide(s, clock.now).token_budget == guard.token_budget

@@ -208,6 +208,14 @@ def _growth_blocks(sched: Scheduler) -> int:
     return int(np.maximum(need, 0).sum())
 
 
+def _prefilling(running: RunningBatch) -> bool:
+    """Some running request computes more than one token next (a prefill chunk): what the TBT
+    guard's token budget can bind (it always leaves a token for each running request)."""
+    slots = running.order
+    next_tokens = running.np_num_tokens[slots] + running.np_pending[slots] - running.np_computed[slots]
+    return bool(np.count_nonzero(next_tokens > 1))
+
+
 def _running_worst_first(running: RunningBatch, now: float) -> list[Request]:
     """The running requests ranked by (-priority, tbt_missed, -VLT), worst first (the reverse of
     a stable sort), in columns: they are many."""
@@ -235,6 +243,8 @@ class RotaryPolicy:
 
     def decide(self, sched: Scheduler, now: float) -> Decision:
         kv, p = sched.kv, self.params
+        if not sched.waiting and not sched.rotary and not _prefilling(sched.batch):
+            return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting = list(sched.waiting)
         if guard is not None:  # new requests past what TBT allows wait (their VLT keeps growing)
