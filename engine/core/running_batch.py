@@ -7,8 +7,8 @@ slot, and the scheduler serves thousands of plain decodes with a few vector oper
 a Python loop over them. The batch also mirrors what the decode path reads of each request (its
 token count and newest token, block count and blocks written through to the CPU tier, length
 limit, prompt length, TBT SLO, whether it is a plain decode), kept current by the scheduler, and
-counts the tokens that may stop a running request. When the request stops running, its counters go back
-into the Request.
+counts the tokens that may stop a running request. When the request stops running, its counters
+go back into the Request.
 
 The gaps between a decode's tokens wait in the slot's tail (a row of a 2-D array: one numpy write
 a step for all rows) and move into the request's `token_gaps` list when the tail is full, when
