@@ -138,13 +138,9 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
         head = list(islice(self.free, n))
         if not any(avoid) or all(fences.keys().isdisjoint(head) for fences in avoid):  # the common case
-            free, ref_cnt, hash_of = self.free, self.ref_cnt, self.hash_of
-            for block in head:  # (`_take` of each, inlined: a step takes dozens)
-                del free[block]
-                if hash_of[block] is not None:
-                    self._drop_hash(block)
-                ref_cnt[block] = 1
-            return head
+            for block in head:
+                del self.free[block]
+            return self._take(head)
         clean: list[int] = []
         if any(avoid):  # from the head; past n + (fenced blocks) blocks, no unfenced one is left
             head = islice(self.free, n + sum(map(len, avoid)))
@@ -154,12 +150,16 @@ class BlockPool:
             for block in clean:
                 del self.free[block]
         rest = [self.free.popitem(last=False)[0] for _ in range(n - len(clean))]
-        return [self._take(b) for b in clean + rest]
+        return self._take(clean + rest)
 
-    def _take(self, block: int) -> int:
-        self._drop_hash(block)
-        self.ref_cnt[block] = 1
-        return block
+    def _take(self, blocks: list[int]) -> list[int]:
+        """Hand out blocks just taken off the free list: their old content is no longer findable."""
+        ref_cnt, hash_of = self.ref_cnt, self.hash_of
+        for block in blocks:  # (locals only: a step takes dozens)
+            if hash_of[block] is not None:
+                self._drop_hash(block)
+            ref_cnt[block] = 1
+        return blocks
 
     def touch(self, block: int) -> None:
         """Take one more reference to a block found in the prefix cache."""
