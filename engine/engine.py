@@ -353,9 +353,9 @@ class EngineCore:
         self.metrics.on_tokens(len(touched), self.scheduler.token_timing)
         outputs = []
         logprobs = result.logprobs
-        for req in touched:
-            tokens, num_prompt = req.token_ids, len(req.prompt_token_ids)
-            request_id, token, finished = req.request_id, tokens[-1], req.is_finished
+        new = self.scheduler.new_tokens
+        for req, token, num_output in zip(touched, new.tokens, new.num_output, strict=True):
+            request_id, finished = req.request_id, req.is_finished
             live = self._live[request_id]
             stream, text = live.stream, ""
             if stream.detokenizer is not None:  # (else text and stop strings are the server's)
@@ -372,7 +372,8 @@ class EngineCore:
                 self.metrics.on_finish(req, now)
             lp = logprobs.get(request_id) if logprobs else None
             prompt_lps = None
-            if req.sampling.prompt_logprobs is not None and len(tokens) - num_prompt == 1:
+            num_prompt = len(req.prompt_token_ids)
+            if req.sampling.prompt_logprobs is not None and num_output == 1:
                 prompt_lps = [None, *(live.prompt_logprobs[p] for p in range(1, num_prompt))]
             outputs.append(
                 RequestOutput(  # (positional: see RequestOutput)
@@ -383,7 +384,7 @@ class EngineCore:
                     finished,
                     req.finish_reason.value if req.finish_reason else None,
                     num_prompt,
-                    len(tokens) - num_prompt,
+                    num_output,
                     req.num_cached_tokens,
                     prompt_lps,
                 )

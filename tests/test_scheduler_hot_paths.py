@@ -181,12 +181,20 @@ def token_gaps(r: Request, flush: bool) -> list[float]:
     return r._token_gaps + b.gap_tail[r._slot, : b.tail_gaps[r._slot]].tolist()
 
 
+def token_ids(r: Request, flush: bool) -> list[int]:
+    """The request's token_ids, read as token_gaps (above)."""
+    b = r._batch
+    if flush or b is None:
+        return r.token_ids
+    return r._token_ids + b.token_tail[r._slot, : b.tail_tokens[r._slot]].tolist()
+
+
 def state_digest(s: Scheduler, flush: bool = True) -> tuple:
     def req(r: Request) -> tuple:
         return (
             r.request_id,
             r.status,
-            r.token_ids,
+            token_ids(r, flush),
             r.num_computed_tokens,
             r.num_pending_tokens,
             r.block_ids,
@@ -235,7 +243,7 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
     fast_policy, ref_policy = policy_pair(kind, gpu_blocks, xfer)
     fast = Scheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), fast_policy, clocks[0])
     fast.rows_per_vector = rows_per_vector
-    fast.batch = RunningBatch(tail=(1, 3, 64)[seed % 3])  # how many gaps a slot holds before its list gets them
+    fast.batch = RunningBatch(tail=(1, 3, 64)[seed % 3])  # tokens and gaps a slot holds before the lists get them
     ref = ReferenceScheduler(config, KVCacheManager(gpu_blocks, bs, prefix_caching, cpu_blocks), ref_policy, clocks[1])
     both = (fast, ref)
     in_flight_limit = rng.choice([0, 1])  # synchronous, or async scheduling (one step in flight)
@@ -288,6 +296,7 @@ def run_both(seed: int, rows_per_vector: int = ROWS_PER_VECTOR) -> Scheduler:
             touched = fast.update(plans[0], fast_tokens)
             assert sorted(r.request_id for r in touched) == sorted(r.request_id for r in ref.update(plans[1], sampled))
             check_token_timing(fast, touched, flush)
+            check_new_tokens(fast, touched, flush)
         assert state_digest(fast, flush) == state_digest(ref)
         check_swap_in_index(fast)
         check_running_batch(fast, flush)
@@ -310,6 +319,14 @@ def check_token_timing(s: Scheduler, touched: list[Request], flush: bool) -> Non
     }
 
 
+def check_new_tokens(s: Scheduler, touched: list[Request], flush: bool) -> None:
+    """What the update hands the engine for its outputs: each request's new token and output
+    length, as its token list has them (read as users do, or peeked at)."""
+    tokens = [token_ids(r, flush) for r in touched]
+    assert s.new_tokens.tokens == [t[-1] for t in tokens]
+    assert s.new_tokens.num_output == [len(t) - len(r.prompt_token_ids) for r, t in zip(touched, tokens, strict=True)]
+
+
 def check_swap_in_index(s: Scheduler) -> None:
     """What admission reads instead of looking at every rotary request: the hashes in use, those of
     the swapped-out requests' blocks, and the rotary requests apart by whether their TBT is lost."""
@@ -329,11 +346,12 @@ def check_running_batch(s: Scheduler, flush: bool = True) -> None:
     assert b.order.tolist() == [r._slot for r in s.running] and all(r._batch is b for r in s.running)
     for r in s.running:
         slot = r._slot
-        assert b.requests[slot] is r and b.token_lists[slot] is r.token_ids
-        assert 0 <= b.tail_gaps[slot] < b.gap_tail.shape[1]
+        assert b.requests[slot] is r
+        assert 0 <= b.tail_gaps[slot] < b.gap_tail.shape[1] and 0 <= b.tail_tokens[slot] < b.token_tail.shape[1]
         assert b.slo_classes[b.slo_class[slot]] == r.slo_class
         mirrored = (b.num_tokens[slot], b.last_token[slot], b.nblocks[slot], b.written[slot], b.limit[slot])
-        assert mirrored == (len(r.token_ids), r.token_ids[-1], len(r.block_ids), len(r.cpu_block_ids), r.length_limit)
+        tokens = token_ids(r, flush)
+        assert mirrored == (len(tokens), tokens[-1], len(r.block_ids), len(r.cpu_block_ids), r.length_limit)
         assert b.tbt_ms[slot] == r.slo.tbt_ms
         assert (b.priority[slot], b.t_run[slot]) == (r.priority, r.t_run)
     assert all(r._batch is None for r in [*s.waiting, *s.rotary])
@@ -407,7 +425,7 @@ def test_blocks_a_decode_fills_are_findable_once_the_request_releases_them(relea
     assert kv.allocate(req, 5)
     req.num_computed_tokens = 5
     kv.commit_full_blocks(req, 0, 5)  # the prompt's full block: findable at once
-    req.token_ids += [1, 2, 3, 4, 5, 6, 7]  # decoded: blocks 1 and 2 are full
+    req.token_ids.extend([1, 2, 3, 4, 5, 6, 7])  # decoded: blocks 1 and 2 are full
     assert kv.allocate(req, 7)
     req.num_computed_tokens = 12
     kv.filled([req], [1])  # the step that filled block 1 is done; block 2's still runs
@@ -434,7 +452,7 @@ def test_write_through_indexes_prompt_blocks_only_and_waits_for_copies_in_flight
     req = Request("r", [5, 6, 7], SamplingParams(max_tokens=16), 0.0)
     assert kv.allocate(req, 3)
     req.num_computed_tokens = 3
-    req.token_ids += [8, 9, 10, 11]  # 7 tokens: block 0 of the prompt, blocks 1 and 2 with output
+    req.token_ids.extend([8, 9, 10, 11])  # 7 tokens: block 0 of the prompt, blocks 1 and 2 with output
     assert kv.allocate(req, 4)
     req.num_computed_tokens = 7
     blocks = req.block_ids
@@ -458,7 +476,7 @@ def test_output_blocks_in_one_pass_copy_what_the_general_path_copies():
         reqs = []
         for i in range(3):
             req = Request(f"r{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], SamplingParams(max_tokens=16), 0.0)
-            req.token_ids += [8, 9, 10, 11, 12]  # 8 tokens: the prompt's block, then 3 output blocks
+            req.token_ids.extend([8, 9, 10, 11, 12])  # 8 tokens: the prompt's block, then 3 output blocks
             assert kv.allocate(req, 8)
             req.num_computed_tokens = 8
             assert kv.write_through(req, budget=1, step=1) != []  # the prompt's block is in the tier
@@ -500,3 +518,37 @@ def test_stop_candidates_are_the_running_requests_stop_tokens(distinct):
     for req in reqs:
         batch.remove(req)
     assert batch.stop_counts == {} and not batch.may_stop(tokens).any()
+
+
+def test_a_running_requests_new_tokens_wait_in_its_slot_until_read_full_or_it_stops_running():
+    """Decode rows' tokens go into the slot's tail (one numpy write for all rows); the request's
+    token list gets them when the tail is full, when something reads the list and when the
+    request leaves the batch, in order, and the engine's view (`new_tokens`) matches it."""
+    s = Scheduler(SchedulerConfig(8, 64, 64), KVCacheManager(32, 4, True))
+    s.rows_per_vector = 0  # every update in columns, however few its rows
+    s.batch = RunningBatch(tail=3)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0), 0.0) for i in range(2)]
+    for req in reqs:
+        s.add(req)
+    step = 0
+
+    def decode(n: int) -> None:
+        nonlocal step
+        for _ in range(n):
+            step += 1
+            plan = s.schedule()
+            assert s.update(plan, [10 * step + k for k in range(plan.num_sampled)]) == reqs
+            assert s.new_tokens.tokens == [10 * step, 10 * step + 1]
+
+    decode(1)  # the prefill samples the first tokens (no tail), and the next two go into the tail
+    decode(2)
+    r0, r1 = reqs
+    assert (s.batch.tail_tokens[r0._slot], len(r0._token_ids)) == (2, 4)
+    assert r0.token_ids == [1, 2, 3, 10, 20, 30] and s.batch.tail_tokens[r0._slot] == 0  # reading emptied it
+    decode(1)  # the third token fills r1's tail: it moves into the list at once
+    assert (s.batch.tail_tokens[r1._slot], r1._token_ids) == (0, [1, 2, 3, 11, 21, 31, 41])
+    assert s.new_tokens.num_output == [4, 4] and r0.num_tokens == 7
+    with pytest.raises(RuntimeError, match="only through the scheduler"):
+        r0.token_ids = [1, 2, 3]
+    s.abort("r0")  # leaving the batch empties the tail
+    assert r0._batch is None and r0._token_ids == [1, 2, 3, 10, 20, 30, 40]

@@ -126,7 +126,7 @@ class Request:
     t_run: float | None = None  # last time it entered RUNNING
     _token_gaps: list[float] = field(default_factory=list, init=False, repr=False)  # token_gaps
     t_scheduled: float | None = None  # first time it was scheduled (queueing ends)
-    token_ids: list[int] = field(init=False)  # prompt, then output (output_token_ids: a copy of the latter)
+    _token_ids: list[int] = field(init=False, repr=False)  # token_ids
     # Tokens at which it ends by length: max_tokens out, or the context length once the scheduler
     # that takes it caps this (Scheduler.add).
     length_limit: int = field(init=False)
@@ -135,7 +135,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
-        self.token_ids = list(self.prompt_token_ids)
+        self._token_ids = list(self.prompt_token_ids)
         self.length_limit = len(self.prompt_token_ids) + self.sampling.max_tokens
         eos = frozenset() if self.sampling.ignore_eos else self.eos_token_ids
         self.stop_token_set = eos | frozenset(self.sampling.stop_token_ids)
@@ -235,17 +235,34 @@ class Request:
         the RunningBatch, which reading them empties first."""
         batch = self._batch
         if batch is not None and batch.tail_gaps[self._slot]:
-            batch.flush_slot(self._slot)
+            batch.flush_gaps(self._slot)
         return self._token_gaps
 
     @property
+    def token_ids(self) -> list[int]:
+        """Its prompt, then its output (output_token_ids: a copy of the latter). While it runs,
+        its newest tokens wait in its slot's tail in the RunningBatch, which reading them empties
+        first: append to this list only what was read just now."""
+        batch = self._batch
+        if batch is not None and batch.tail_tokens[self._slot]:
+            batch.flush_tokens(self._slot)
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        if self._batch is not None:
+            raise RuntimeError("a running request's tokens change only through the scheduler")
+        self._token_ids = value
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        batch = self._batch
+        return len(self._token_ids) if batch is None else batch.num_tokens[self._slot]
 
     @property
     def num_scheduled_tokens(self) -> int:
         """Known tokens plus those a submitted step is still sampling (async scheduling)."""
-        return len(self.token_ids) + self.num_pending_tokens
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -253,7 +270,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -10,12 +10,14 @@ limit, prompt length, TBT SLO, whether it is a plain decode), kept current by th
 counts the tokens that may stop a running request. When the request stops running, its counters
 go back into the Request.
 
-The gaps between a decode's tokens wait in the slot's tail (a row of a 2-D array: one numpy write
-a step for all rows) and move into the request's `token_gaps` list when the tail is full, when
-the request stops running, or when something reads that list (the Request property empties the
-tail first). The list is read when the request ends (its p99 gap); the metrics take each update's
-gaps from the scheduler's TokenTiming. Appending a float to a thousand Python lists every step
-cost about a tenth of the scheduler's host time.
+A decode's new tokens and the gaps between them wait in the slot's tails (rows of two 2-D
+arrays: one numpy write a step for all rows) and move into the request's `token_ids` and
+`token_gaps` lists when a tail is full, when the request stops running, or when something reads
+the list (the Request properties empty the tail first). The gaps are read when the request ends
+(its p99 gap), its tokens when one may stop it, when its blocks are hashed, and when it leaves
+the batch; the engine takes each update's tokens from the scheduler (`Scheduler.update`), the
+metrics its gaps from the TokenTiming. Appending to a thousand Python lists every step cost
+about a tenth of the scheduler's host time for the gaps, a fifth for the tokens.
 
 A slot freed and handed to another request gets a new generation: a plan made before that
 (async scheduling) names its rows by slot and generation, so its update finds which rows still
@@ -52,13 +54,14 @@ _COLUMNS = {
     "t_run": "d",  # when it started running
     "gen": "q",  # bumped each time the slot is freed
     "tail_gaps": "q",  # gaps in the slot's tail, not yet in token_gaps
+    "tail_tokens": "q",  # tokens in the slot's tail, not yet in token_ids
     "slo_class": "q",  # its SLO class, as an index into slo_classes
 }
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 
 
-# Each running request, what its plan rows share, and the lists its tokens are appended to.
-_OBJECTS = ("requests", "request_ids", "samplings", "prompts", "token_lists")
+# Each running request, and what its plan rows share.
+_OBJECTS = ("requests", "request_ids", "samplings", "prompts")
 
 
 class RunningBatch:
@@ -66,18 +69,18 @@ class RunningBatch:
 
     Each counter column is an `array.array` (the Request properties index it: a plain Python
     int, fast) under a numpy view of the same memory (`np_<column>`: the vector operations). The
-    object columns (`requests`, `request_ids`, `samplings`, `prompts`, `token_lists`: each
-    request's `token_ids`) are numpy object arrays: a plan's or an update's rows gather them by an
-    array of slots."""
+    object columns (`requests`, `request_ids`, `samplings`, `prompts`) are numpy object arrays: a
+    plan's or an update's rows gather them by an array of slots. `gap_tail` and `token_tail` hold
+    each slot's newest gaps and tokens, `tail` of each at most."""
 
     requests: np.ndarray  # of Request | None
     request_ids: np.ndarray  # of str | None
     samplings: np.ndarray  # of SamplingParams | None
     prompts: np.ndarray  # of list[int] | None
-    token_lists: np.ndarray  # of list[int] | None
 
     def __init__(self, capacity: int = 64, tail: int = 64) -> None:
         self.gap_tail = np.zeros((0, tail), dtype=np.float64)  # by slot: its newest gaps
+        self.token_tail = np.zeros((0, tail), dtype=np.int64)  # by slot: its newest tokens
         self.slo_classes: list[str] = []  # every SLO class a running request has had, in order seen
         self.free_slots: list[int] = []
         # Every token that may stop a running request (its EOS ids, its stop_token_ids), with how
@@ -99,9 +102,11 @@ class RunningBatch:
             column = np.full(capacity, None, dtype=object)
             column[: self.capacity] = getattr(self, name, ())
             setattr(self, name, column)
-        gap_tail = np.zeros((capacity, self.gap_tail.shape[1]))
-        gap_tail[: self.capacity] = self.gap_tail
-        self.gap_tail = gap_tail
+        for name in ("gap_tail", "token_tail"):
+            old_tail = getattr(self, name)
+            tail = np.zeros((capacity, old_tail.shape[1]), dtype=old_tail.dtype)
+            tail[: self.capacity] = old_tail
+            setattr(self, name, tail)
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))  # lowest slot first
         self.capacity = capacity
 
@@ -119,12 +124,29 @@ class RunningBatch:
         full = n == self.gap_tail.shape[1]
         if np.count_nonzero(full):
             for slot in slots[full].tolist():
-                self.flush_slot(slot)
+                self.flush_gaps(slot)
 
-    def flush_slot(self, slot: int) -> None:
-        """Move the slot's tail into its request's gap list."""
+    def add_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """A new token for each of these (distinct) slots: into their tails, the full tails into
+        the requests' token lists. (The caller keeps num_tokens and last_token.)"""
+        n = self.np_tail_tokens[slots]
+        self.token_tail[slots, n] = tokens
+        n += 1
+        self.np_tail_tokens[slots] = n
+        full = n == self.token_tail.shape[1]
+        if np.count_nonzero(full):
+            for slot in slots[full].tolist():
+                self.flush_tokens(slot)
+
+    def flush_gaps(self, slot: int) -> None:
+        """Move the slot's gap tail into its request's gap list."""
         self.requests[slot]._token_gaps.extend(self.gap_tail[slot, : self.tail_gaps[slot]].tolist())
         self.tail_gaps[slot] = 0
+
+    def flush_tokens(self, slot: int) -> None:
+        """Move the slot's token tail into its request's token list."""
+        self.requests[slot]._token_ids.extend(self.token_tail[slot, : self.tail_tokens[slot]].tolist())
+        self.tail_tokens[slot] = 0
 
     def by_class(self, slots: np.ndarray, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """`values` (one per slot) grouped by their slots' SLO classes."""
@@ -171,14 +193,14 @@ class RunningBatch:
                 self.stop_tokens = list(counts)
         self.requests[slot], self.request_ids[slot] = req, req.request_id
         self.samplings[slot], self.prompts[slot] = req.sampling, req.prompt_token_ids
-        self.token_lists[slot] = req.token_ids
         req._batch, req._slot = self, slot
         self.order = np.concatenate((self.order, (slot,)))
 
     def remove(self, req: Request) -> None:
         """The request stops running: its counters go back into it and its slot is freed."""
         slot = req._slot
-        self.flush_slot(slot)
+        self.flush_gaps(slot)
+        self.flush_tokens(slot)
         req._num_computed_tokens, req._num_pending_tokens = self.computed[slot], self.pending[slot]
         req._last_step, req._step_before_last = self.last_step[slot], self.prev_step[slot]
         req._max_gap_s = self.max_gap[slot]

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,6 +49,18 @@ ROWS_PER_VECTOR = 48  # see Scheduler.rows_per_vector
 def _remove_sorted(requests: list[Request], req: Request) -> None:
     """Remove `req` from a list in arrival order, looked for from its arrival's first place on."""
     del requests[requests.index(req, bisect.bisect_left(requests, req.arrival_time, key=_arrival))]
+
+
+class NewTokens(NamedTuple):
+    """What an update gave the requests it returns, in their order: each one's new token, and
+    its output tokens so far."""
+
+    tokens: list[int]
+    num_output: list[int]
+
+    def add(self, token: int, num_output: int) -> None:
+        self.tokens.append(token)
+        self.num_output.append(num_output)
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.batch = RunningBatch()  # the running requests' counters, in running order
         self.token_timing = TokenTiming()  # what the last update timed (for the metrics)
+        self.new_tokens = NewTokens([], [])  # what the last update gave its requests (for the outputs)
         # Scans and updates of fewer rows go one row at a time: numpy's cost per call (a scan
         # makes ~40 calls) exceeds the loop's below a few dozen rows.
         self.rows_per_vector = ROWS_PER_VECTOR
@@ -551,8 +565,10 @@ class Scheduler:
     def update(self, plan: StepPlan, tokens: Sequence[int] | np.ndarray) -> list[Request]:
         """The step has completed (compute and copies): apply its sampled tokens, in the order of
         `plan.sampled_ids()` (an int64 array, as the runner returns them, or any sequence), and
-        retire its quarantine. Returns the requests that got a token or finished; `token_timing`
-        then holds which of them got their first token, and the gaps before the others' tokens.
+        retire its quarantine. Returns the requests that got a token; `new_tokens` then holds
+        each one's token and output length, in the same order (what the engine's outputs need,
+        read without walking their token lists), and `token_timing` which of them got their
+        first token, and the gaps before the others' tokens.
 
         A request that was rotated out or preempted since the step was planned still gets its
         token; one that finished since (abort, stop string, EOS) drops it."""
@@ -569,6 +585,7 @@ class Scheduler:
             self.step_time.observe(submitted.shape, now - max(submitted.planned_at, self._t_last_update))
         self._t_last_update = now
         touched: list[Request] = []
+        new = NewTokens([], [])
         k = 0  # the next seq's token
         for req, seq in zip(submitted.requests, plan.seqs, strict=True):
             start, n = seq.start_pos, len(seq.token_ids)
@@ -582,8 +599,13 @@ class Scheduler:
             if seq.sample:
                 self._apply_token(req, tokens[k - 1], now)
                 touched.append(req)
+                new.add(tokens[k - 1], req.num_output_tokens)
         decode_tokens = token_array[k:] if token_array is not None else None
-        touched += self._apply_decodes(submitted, plan.decodes, tokens[k:], now, decode_tokens)
+        decoded, decoded_new = self._apply_decodes(submitted, plan.decodes, tokens[k:], now, decode_tokens)
+        touched += decoded
+        new.tokens.extend(decoded_new.tokens)
+        new.num_output.extend(decoded_new.num_output)
+        self.new_tokens = new
         self.kv.retire(plan.step_id)
         return touched
 
@@ -613,18 +635,18 @@ class Scheduler:
 
     def _apply_decodes(
         self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float, token_array: np.ndarray | None
-    ) -> list[Request]:
+    ) -> tuple[list[Request], NewTokens]:
         """_apply_token for each decode row (`tokens`: theirs, in row order; `token_array`: the
-        same as int64, if at hand); returns the rows' requests that got their token. The bulk of
-        update() at thousands of requests: the rows whose request still runs in the slot it was
-        planned in (nearly all) get their counters in columns, their tokens appended in bulk and
-        their gaps into the batch's tails, and the blocks they fill committed in one call; what
-        may end a request (a row whose token may stop it, one whose request left its slot since
-        planning: it was rotated out, preempted or finished) is done one row at a time, in row
-        order."""
+        same as int64, if at hand); returns the rows' requests that got their token, and those
+        tokens and the requests' output lengths. The bulk of update() at thousands of requests:
+        the rows whose request still runs in the slot it was planned in (nearly all) get their
+        counters in columns, their tokens and gaps into the batch's tails, and the blocks they
+        fill committed in one call; what may end a request (a row whose token may stop it, one
+        whose request left its slot since planning: it was rotated out, preempted or finished)
+        is done one row at a time, in row order."""
         reqs = submitted.decoded
         if not reqs:
-            return []
+            return [], NewTokens([], [])
         if len(reqs) < self.rows_per_vector:
             return self._apply_decodes_by_row(submitted, rows, tokens, now)
         b = self.batch
@@ -634,13 +656,12 @@ class Scheduler:
         everyone = np.count_nonzero(in_slot) == len(in_slot)
         keep = None if everyone else in_slot.tolist()
         live = reqs if keep is None else list(compress(reqs, keep))
-        live_tokens = tokens if keep is None else list(compress(tokens, keep))
         slots = submitted.decode_slots[in_slot]
         b.np_pending[slots] -= 1
         b.np_num_tokens[slots] += 1
         live_array = token_array if keep is None else token_array[in_slot]
         b.np_last_token[slots] = live_array
-        deque(map(list.append, b.token_lists[slots].tolist(), live_tokens), maxlen=0)
+        b.add_tokens(slots, live_array)
         t_prev = b.np_t_last[slots]  # NaN: its first token
         gaps = now - t_prev
         timed = ~np.isnan(t_prev)
@@ -663,6 +684,8 @@ class Scheduler:
             bs = self.kv.block_size
             self.kv.filled([reqs[k] for k in committed], [rows.start_pos[k] // bs for k in committed])
         may_stop = b.may_stop(live_array) | (b.np_num_tokens[slots] >= b.np_limit[slots])
+        planned = submitted.decode_slots  # (a row out of its slot gets its request's figure below)
+        num_output = (b.np_num_tokens[planned] - b.np_prompt_len[planned]).tolist()
         if keep is not None:  # by row: the live rows' verdicts, and every row out of its slot
             by_row = ~in_slot
             by_row[in_slot] = may_stop
@@ -674,29 +697,34 @@ class Scheduler:
                 if (reason := req.stop_reason()) is not None:
                     self._finish(req, reason)
                 continue
-            if not self._apply_row(req, rows.start_pos[k], tokens[k], k in fills, now):
+            if self._apply_row(req, rows.start_pos[k], tokens[k], k in fills, now):
+                num_output[k] = req.num_output_tokens
+            else:
                 dropped.append(k)
         if dropped:
             gone = set(dropped)
-            return [r for k, r in enumerate(reqs) if k not in gone]
-        return reqs
+            kept = [k for k in range(len(reqs)) if k not in gone]
+            return [reqs[k] for k in kept], NewTokens([tokens[k] for k in kept], [num_output[k] for k in kept])
+        return reqs, NewTokens(tokens, num_output)
 
     def _apply_decodes_by_row(
         self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float
-    ) -> list[Request]:
+    ) -> tuple[list[Request], NewTokens]:
         """_apply_decodes one row at a time, in one loop over the columns (below a few dozen
         rows, cheaper than the vector operations)."""
         b, bs = self.batch, self.kv.block_size
         gen, pending, num_tokens, last_token = b.gen, b.pending, b.num_tokens, b.last_token
-        t_last, max_gap, limit = b.t_last, b.max_gap, b.limit
+        t_last, max_gap, limit, prompt_len = b.t_last, b.max_gap, b.limit, b.prompt_len
         fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else set()
         touched = []
+        new = NewTokens([], [])
         slots, gens = submitted.decode_slots.tolist(), submitted.decode_gens.tolist()
         rows_of = zip(submitted.decoded, slots, gens, tokens, strict=True)
         for k, (req, slot, planned_gen, token) in enumerate(rows_of):
             if gen[slot] != planned_gen:  # it left its slot since: rotated out, preempted or finished
                 if self._apply_row(req, rows.start_pos[k], token, k in fills, now):
                     touched.append(req)
+                    new.add(token, req.num_output_tokens)
                 continue
             pending[slot] -= 1
             req.token_ids.append(token)
@@ -715,12 +743,13 @@ class Scheduler:
             t_last[slot] = now
             if k in fills:
                 self.kv.filled((req,), (rows.start_pos[k] // bs,))
+            new.add(token, num_tokens[slot] - prompt_len[slot])
             if (token in req.stop_token_set or num_tokens[slot] >= limit[slot]) and (
                 reason := req.stop_reason()
             ) is not None:
                 self._finish(req, reason)
             touched.append(req)
-        return touched
+        return touched, new
 
     def _apply_row(self, req: Request, start: int, token: int, fills_block: bool, now: float) -> bool:
         """One decode row's token, applied to its request (wherever it is now); False if the
