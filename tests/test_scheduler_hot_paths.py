@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import math
 import random
 from collections import Counter
@@ -552,3 +553,26 @@ def test_a_running_requests_new_tokens_wait_in_its_slot_until_read_full_or_it_st
         r0.token_ids = [1, 2, 3]
     s.abort("r0")  # leaving the batch empties the tail
     assert r0._batch is None and r0._token_ids == [1, 2, 3, 10, 20, 30, 40]
+
+
+def test_plans_of_the_same_decodes_share_their_columns_and_read_again_only_the_tables_that_grew():
+    s = Scheduler(SchedulerConfig(8, 64, 64), KVCacheManager(32, 4, True))
+    s.rows_per_vector = 0  # every scan in columns, however few its rows
+    sampling = SamplingParams(max_tokens=20, temperature=0)
+    reqs = [Request(f"r{i}", [1, 2, 3, 4][: 2 + i], sampling, 0.0) for i in range(3)]
+    for req in reqs:
+        s.add(req)
+    s.update(plan := s.schedule(), [5] * plan.num_sampled)  # the prefills
+    plans = []
+    for _ in range(4):
+        plans.append(plan := s.schedule())
+        assert plan.decodes.block_ids == [r.block_ids for r in reqs]
+        s.update(plan, [5] * plan.num_sampled)
+    for before, after in itertools.pairwise(plans):
+        assert after.decodes.request_ids is before.decodes.request_ids
+        tables = list(zip(before.decodes.block_ids, after.decodes.block_ids, strict=True))
+        assert [a is not b for a, b in tables] == [len(a) != len(b) for a, b in tables]  # only the grown read again
+    assert [len(t) for t in plans[0].decodes.block_ids] != [len(t) for t in plans[-1].decodes.block_ids]
+    s.abort("r1")  # another set of rows: gathered afresh
+    plan = s.schedule()
+    assert plan.decodes.request_ids == ["r0", "r2"] and plan.decodes.block_ids == [reqs[0].block_ids, reqs[2].block_ids]

@@ -34,7 +34,7 @@ import numpy as np
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
-from superinfer.engine.core.request import FinishReason, Request, RequestStatus
+from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.engine.core.token_timing import TokenTiming
@@ -115,6 +115,23 @@ class _Submitted:
     fill_rows: list[int]  # the decode rows that fill a block
     planned_at: float
     shape: StepShape
+
+
+@dataclass(frozen=True)
+class _DecodeColumns:
+    """A plan's decode rows by column: their batch slots, the slots' generations and block
+    counts then, and what the plan and its update read of their requests. Consecutive plans may
+    share these lists (nobody changes them); a running request's block table is replaced, never
+    grown, and its block count in the batch changes with it."""
+
+    slots: np.ndarray
+    gens: np.ndarray
+    nblocks: np.ndarray
+    requests: list[Request]
+    request_ids: list[str]
+    block_ids: list[list[int]]
+    samplings: list[SamplingParams]
+    prompts: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -210,6 +227,7 @@ class Scheduler:
         self.batch = RunningBatch()  # the running requests' counters, in running order
         self.token_timing = TokenTiming()  # what the last update timed (for the metrics)
         self.new_tokens = NewTokens([], [])  # what the last update gave its requests (for the outputs)
+        self._last_decode_columns: _DecodeColumns | None = None
         # Scans and updates of fewer rows go one row at a time: numpy's cost per call (a scan
         # makes ~40 calls) exceeds the loop's below a few dozen rows.
         self.rows_per_vector = ROWS_PER_VECTOR
@@ -319,18 +337,13 @@ class Scheduler:
         if step.writes_through:
             self._write_through(step)
         released, self._released = self._released, []
-        b, slots = self.batch, step.decode_slots()
-        decoded = b.requests[slots].tolist()
+        slots = step.decode_slots()
+        rows = self._decode_columns(slots)
         plan = StepPlan(
             step_id=step.id,
             seqs=step.seqs,
             decodes=DecodeRows(
-                b.request_ids[slots].tolist(),
-                step.decode_tokens,
-                step.decode_starts,
-                [r.block_ids for r in decoded],
-                b.samplings[slots].tolist(),
-                b.prompts[slots].tolist(),
+                rows.request_ids, step.decode_tokens, step.decode_starts, rows.block_ids, rows.samplings, rows.prompts
             ),
             swap_out=step.swap_out,
             swap_in=step.swap_in,
@@ -342,9 +355,37 @@ class Scheduler:
         )
         shape = StepShape(plan.num_tokens, plan.num_context_tokens)
         self._submitted[step.id] = _Submitted(
-            step.requests, decoded, slots, b.np_gen[slots], step.fill_rows, step.now, shape
+            step.requests, rows.requests, slots, rows.gens, step.fill_rows, step.now, shape
         )
         return plan
+
+    def _decode_columns(self, slots: np.ndarray) -> _DecodeColumns:
+        """The decode rows' columns for the plan, gathered from the running batch; or, while the
+        same requests decode in the same slots as in the last plan (a decode batch's steady
+        state), that plan's, with only the block tables that grew since read again."""
+        b, last = self.batch, self._last_decode_columns
+        gens, nblocks = b.np_gen[slots], b.np_nblocks[slots]
+        if last is not None and np.array_equal(slots, last.slots) and np.array_equal(gens, last.gens):
+            tables = last.block_ids.copy()  # (the last plan keeps its own)
+            for k in np.flatnonzero(nblocks != last.nblocks).tolist():
+                tables[k] = last.requests[k].block_ids
+            rows = _DecodeColumns(
+                slots, gens, nblocks, last.requests, last.request_ids, tables, last.samplings, last.prompts
+            )
+        else:
+            reqs = b.requests[slots].tolist()
+            rows = _DecodeColumns(
+                slots,
+                gens,
+                nblocks,
+                reqs,
+                b.request_ids[slots].tolist(),
+                [r.block_ids for r in reqs],
+                b.samplings[slots].tolist(),
+                b.prompts[slots].tolist(),
+            )
+        self._last_decode_columns = rows
+        return rows
 
     def _serve_running(self, step: _Step) -> None:
         running, kv = self.running, self.kv
