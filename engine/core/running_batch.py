@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Callable
 from itertools import repeat
 
 import numpy as np
@@ -62,6 +63,21 @@ _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 
 # Each running request, and what its plan rows share.
 _OBJECTS = ("requests", "request_ids", "samplings", "prompts")
+
+
+def _into_tails(
+    slots: np.ndarray, values: np.ndarray, tails: np.ndarray, counts: np.ndarray, flush: Callable[[int], None]
+) -> None:
+    """One value for each of these (distinct) slots into its row of `tails` (`counts`: how many
+    each row holds); a row that fills up is flushed."""
+    n = counts[slots]
+    tails[slots, n] = values
+    n += 1
+    counts[slots] = n
+    full = n == tails.shape[1]
+    if np.count_nonzero(full):
+        for slot in slots[full].tolist():
+            flush(slot)
 
 
 class RunningBatch:
@@ -117,26 +133,12 @@ class RunningBatch:
 
     def add_gaps(self, slots: np.ndarray, gaps: np.ndarray) -> None:
         """A gap for each of these (distinct) slots: into their tails, the full tails into the lists."""
-        n = self.np_tail_gaps[slots]
-        self.gap_tail[slots, n] = gaps
-        n += 1
-        self.np_tail_gaps[slots] = n
-        full = n == self.gap_tail.shape[1]
-        if np.count_nonzero(full):
-            for slot in slots[full].tolist():
-                self.flush_gaps(slot)
+        _into_tails(slots, gaps, self.gap_tail, self.np_tail_gaps, self.flush_gaps)
 
     def add_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """A new token for each of these (distinct) slots: into their tails, the full tails into
         the requests' token lists. (The caller keeps num_tokens and last_token.)"""
-        n = self.np_tail_tokens[slots]
-        self.token_tail[slots, n] = tokens
-        n += 1
-        self.np_tail_tokens[slots] = n
-        full = n == self.token_tail.shape[1]
-        if np.count_nonzero(full):
-            for slot in slots[full].tolist():
-                self.flush_tokens(slot)
+        _into_tails(slots, tokens, self.token_tail, self.np_tail_tokens, self.flush_tokens)
 
     def flush_gaps(self, slot: int) -> None:
         """Move the slot's gap tail into its request's gap list."""
