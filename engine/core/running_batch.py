@@ -14,9 +14,9 @@ A decode's new tokens and the gaps between them wait in the slot's tails (rows o
 arrays: one numpy write a step for all rows) and move into the request's `token_ids` and
 `token_gaps` lists when a tail is full, when the request stops running, or when something reads
 the list (the Request properties empty the tail first). The gaps are read when the request ends
-(its p99 gap), its tokens when one may stop it, when its blocks are hashed, and when it leaves
-the batch; the engine takes each update's tokens from the scheduler (`Scheduler.update`), the
-metrics its gaps from the TokenTiming. Appending to a thousand Python lists every step cost
+(its p99 gap), its tokens when a token may stop it, when its blocks are hashed, and when it
+leaves the batch; the engine takes each update's tokens from the scheduler (`Scheduler.update`),
+the metrics its gaps from the TokenTiming. Appending to a thousand Python lists every step cost
 about a tenth of the scheduler's host time for the gaps, a fifth for the tokens.
 
 A slot freed and handed to another request gets a new generation: a plan made before that

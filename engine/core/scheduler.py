@@ -644,8 +644,11 @@ class Scheduler:
         decode_tokens = token_array[k:] if token_array is not None else None
         decoded, decoded_new = self._apply_decodes(submitted, plan.decodes, tokens[k:], now, decode_tokens)
         touched += decoded
-        new.tokens.extend(decoded_new.tokens)
-        new.num_output.extend(decoded_new.num_output)
+        if new.tokens:
+            new.tokens.extend(decoded_new.tokens)
+            new.num_output.extend(decoded_new.num_output)
+        else:  # (a decode-only step: no copy of a thousand rows)
+            new = decoded_new
         self.new_tokens = new
         self.kv.retire(plan.step_id)
         return touched
