@@ -59,13 +59,17 @@ class Counters(NamedTuple):
     rotations: float | None  # None for vLLM, which has none
     preemptions: float  # by recompute
     steps: float  # engine steps run (ours: steps completed; vLLM: iterations)
+    phase_seconds: dict[str, float]  # ours: seconds spent in each phase of a step (schedule, submit, wait, update)
 
 
 def parse_counters(text: str, vllm: bool) -> Counters:
     """The counters the loads report, from a /metrics page."""
     rotations = preemptions = steps = 0.0
+    phase_seconds: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name == "superinfer_engine_scheduler_step_seconds_sum":
+                phase_seconds[s.labels["phase"]] = s.value
             recompute = s.name == "superinfer_engine_preemptions_total" and s.labels.get("mode") == "recompute"
             if recompute or s.name == "vllm:num_preemptions_total":
                 preemptions += s.value
@@ -75,7 +79,7 @@ def parse_counters(text: str, vllm: bool) -> Counters:
                 s.name == "superinfer_engine_scheduler_step_seconds_count" and s.labels.get("phase") == "update"
             ):
                 steps += s.value
-    return Counters(None if vllm else rotations, preemptions, steps)
+    return Counters(None if vllm else rotations, preemptions, steps, phase_seconds)
 
 
 async def counters(http: aiohttp.ClientSession, url: str, vllm: bool) -> Counters:
@@ -158,7 +162,9 @@ async def measure(
         after = await counters(http, url, contender.is_vllm)
     rotations = None if before.rotations is None or after.rotations is None else after.rotations - before.rotations
     figs = figures(load, work, timings, duration, rotations, after.preemptions - before.preemptions)
-    figs["engine_steps"] = after.steps - before.steps
+    figs["engine_steps"] = steps = after.steps - before.steps
+    for phase, seconds in after.phase_seconds.items():  # ours: where a step's time goes
+        figs[f"{phase}_ms_per_step"] = 1000 * (seconds - before.phase_seconds.get(phase, 0.0)) / max(steps, 1)
     if pid:
         figs |= {
             "cpu_cores": (cpu1[1] - cpu0[1]) / duration,

@@ -315,7 +315,7 @@ def check_token_timing(s: Scheduler, touched: list[Request], flush: bool) -> Non
     for r in touched:
         if gaps[r.request_id]:
             timed.setdefault(r.slo_class, []).append(gaps[r.request_id][-1])
-    assert {cls: sorted(g.tolist()) for cls, g in s.token_timing.gaps().items()} == {
+    assert {cls: sorted(np.asarray(g).tolist()) for cls, g in s.token_timing.gaps().items()} == {
         cls: sorted(g) for cls, g in timed.items()
     }
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from superinfer.engine import contract as c
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.core.token_timing import TokenTiming
-from superinfer.engine.metrics import EngineMetrics, TokenHistogram
+from superinfer.engine.metrics import FEW_VALUES, EngineMetrics, TokenHistogram
 from superinfer.engine.slo import SLO
 
 BUCKETS = (0.01, 0.1, 0.5, 1.0)
@@ -31,21 +31,30 @@ def samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], floa
     return sorted(out, key=lambda s: (s[0], sorted(s[1].items())))
 
 
-@pytest.mark.parametrize("at_once", [False, True], ids=["one-by-one", "all-at-once"])
-def test_exposes_what_prometheus_clients_histogram_exposes(at_once):
+@pytest.mark.parametrize("mode", ["one-by-one", "few-at-once", "many-at-once"])
+def test_exposes_what_prometheus_clients_histogram_exposes(mode):
+    """One value a call, a step's few (a Python loop) and a step's many (numpy's pass)."""
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     token_histogram = TokenHistogram("gap_seconds", "gap", ["model_name", "slo_class"], BUCKETS, ours)
     histogram = Histogram("gap_seconds", "gap", ["model_name", "slo_class"], buckets=BUCKETS, registry=theirs)
+    repeat = 20 if mode == "many-at-once" else 1
     for labels, values in VALUES.items():
-        if at_once:
+        values = values * repeat
+        if mode == "few-at-once":
             token_histogram.observe_all(labels, values)
+        elif mode == "many-at-once":
+            assert len(values) > FEW_VALUES
+            token_histogram.observe_all(labels, np.array(values))
         for v in values:
-            if not at_once:
+            if mode == "one-by-one":
                 token_histogram.observe_all(labels, [v])
             histogram.labels(*labels).observe(v)
-    assert samples(ours) == samples(theirs)
-    got = {(s[1]["slo_class"], s[1].get("le")): s[2] for s in samples(ours) if s[0] == "gap_seconds_bucket"}
-    assert got["interactive", "0.1"] == 4 and got["interactive", "0.01"] == 1 and got["interactive", "+Inf"] == 5
+    mine, reference = samples(ours), samples(theirs)
+    assert [s[:2] for s in mine] == [s[:2] for s in reference]
+    assert [s[2] for s in mine] == pytest.approx([s[2] for s in reference])  # (numpy sums pairwise)
+    got = {(s[1]["slo_class"], s[1].get("le")): s[2] for s in mine if s[0] == "gap_seconds_bucket"}
+    assert got["interactive", "0.1"] == 4 * repeat and got["interactive", "0.01"] == repeat
+    assert got["interactive", "+Inf"] == 5 * repeat
 
 
 def test_one_call_per_step_counts_first_tokens_and_gaps_per_class():

@@ -163,6 +163,8 @@ superinfer_engine_preemptions_total{mode="swap",model_name="tiny"} 5.0
 # TYPE superinfer_engine_scheduler_step_seconds histogram
 superinfer_engine_scheduler_step_seconds_count{model_name="tiny",phase="schedule"} 41.0
 superinfer_engine_scheduler_step_seconds_count{model_name="tiny",phase="update"} 40.0
+superinfer_engine_scheduler_step_seconds_sum{model_name="tiny",phase="schedule"} 0.25
+superinfer_engine_scheduler_step_seconds_sum{model_name="tiny",phase="update"} 0.5
 """
 VLLM_METRICS = """\
 # TYPE vllm:num_preemptions_total counter
@@ -173,8 +175,8 @@ vllm:iteration_tokens_total_count{engine="0",model_name="tiny"} 25.0
 
 
 def test_counters_from_metrics_pages():
-    assert parse_counters(METRICS, vllm=False) == (12.0, 3.0, 40.0)
-    assert parse_counters(VLLM_METRICS, vllm=True) == (None, 7.0, 25.0)
+    assert parse_counters(METRICS, vllm=False) == (12.0, 3.0, 40.0, {"schedule": 0.25, "update": 0.5})
+    assert parse_counters(VLLM_METRICS, vllm=True) == (None, 7.0, 25.0, {})
 
 
 def timing(arrival: float, first: float, gap: float, n: int, slo: SLO) -> RequestTiming:

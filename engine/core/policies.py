@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from operator import itemgetter
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -122,34 +123,51 @@ class TBTGuard:
 
 
 def _live_stats(
-    groups: Iterable[Iterable[Request]], headroom: float, running: RunningBatch
+    groups: Iterable[Iterable[Request]], headroom: float, running: RunningBatch, by_row: bool
 ) -> tuple[int, int, float, float]:
-    """Of the running requests and those in `groups` whose TBT SLO is not lost yet: how many,
-    their tokens, the tightest TBT SLO (ms) and when the first of their turns ends (`headroom` x
-    its own TBT SLO after its last token; inf if none has a token). The running ones in columns,
-    the others in one pass: hot at thousands of requests."""
+    """Of the running requests and those in `groups` (not running) whose TBT SLO is not lost yet:
+    how many, their tokens, the tightest TBT SLO (ms) and when the first of their turns ends
+    (`headroom` x its own TBT SLO after its last token; inf if none has a token). The running
+    ones in columns (`by_row`: few, one at a time), the others in one pass over their own fields:
+    hot at thousands of requests."""
     turn_share = headroom / 1000.0
-    slots = running.order
-    tbt, num_tokens, t_last = running.np_tbt_ms[slots], running.np_num_tokens[slots], running.np_t_last[slots]
-    live = running.np_max_gap[slots] * 1000.0 <= tbt  # not Request.tbt_missed
-    count = int(np.count_nonzero(live))
-    if count < len(live):
-        tbt, num_tokens, t_last = tbt[live], num_tokens[live], t_last[live]
-    tokens = int(num_tokens.sum())
-    min_tbt_ms = float(tbt.min()) if count else math.inf
-    turn_end = float(np.fmin.reduce(t_last + tbt * turn_share)) if count else math.nan  # fmin: past the NaNs
-    if turn_end != turn_end:  # NaN: none has a token yet
-        turn_end = math.inf
+    count = tokens = 0
+    min_tbt_ms = turn_end = math.inf
+    if by_row:
+        tbt_col, max_gap, num_tokens, t_last = running.tbt_ms, running.max_gap, running.num_tokens, running.t_last
+        for slot in running.order.tolist():
+            tbt_ms = tbt_col[slot]
+            if max_gap[slot] * 1000.0 > tbt_ms:
+                continue
+            count += 1
+            tokens += num_tokens[slot]
+            min_tbt_ms = min(min_tbt_ms, tbt_ms)
+            t = t_last[slot]
+            if t == t and (end := t + tbt_ms * turn_share) < turn_end:  # (NaN: no token yet)
+                turn_end = end
+    else:
+        slots = running.order
+        tbt, num_tokens, t_last = running.np_tbt_ms[slots], running.np_num_tokens[slots], running.np_t_last[slots]
+        live = running.np_max_gap[slots] * 1000.0 <= tbt  # not Request.tbt_missed
+        count = int(np.count_nonzero(live))
+        if count < len(live):
+            tbt, num_tokens, t_last = tbt[live], num_tokens[live], t_last[live]
+        tokens = int(num_tokens.sum())
+        if count:
+            min_tbt_ms = float(tbt.min())
+            turn_end = float(np.fmin.reduce(t_last + tbt * turn_share))  # fmin: past the NaNs
+            if turn_end != turn_end:  # NaN: none has a token yet
+                turn_end = math.inf
     for group in groups:
         for r in group:
             tbt_ms = r.slo.tbt_ms
-            if r.max_gap_s * 1000.0 > tbt_ms:
+            if r._max_gap_s * 1000.0 > tbt_ms:
                 continue  # r.tbt_missed
             count += 1
-            tokens += len(r.token_ids)
+            tokens += len(r._token_ids)
             if tbt_ms < min_tbt_ms:
                 min_tbt_ms = tbt_ms
-            t = r.t_last_token
+            t = r._t_last_token
             if t is not None and (end := t + tbt_ms * turn_share) < turn_end:
                 turn_end = end
     return count, tokens, min_tbt_ms, turn_end
@@ -173,7 +191,8 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     if not model.ready:
         return None
     restarted = [r for r in sched.waiting if r.t_first_token is not None]
-    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch)
+    by_row = len(sched.running) < sched.rows_per_vector
+    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch, by_row)
     if not d:
         return None
     kv = sched.kv
@@ -226,12 +245,14 @@ def _running_worst_first(running: RunningBatch, now: float) -> list[Request]:
 
 
 def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:
-    """A non-running request's ranking key, (-priority, r.tbt_missed, -VLT), inlined: they are many."""
-    if r.t_last_token is None:
+    """A non-running request's ranking key, (-priority, r.tbt_missed, -VLT), inlined: they are
+    many (and, not running, its counters are its own fields: no property to go through)."""
+    t_last = r._t_last_token
+    if t_last is None:
         vlt = max(0.0, now - r.arrival_time - p.beta_f * r.slo.ttft_ms / 1000.0)
     else:
-        vlt = p.alpha * max(0.0, now - r.t_last_token - p.beta_b * r.slo.tbt_ms / 1000.0)
-    return -r.priority, r.max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt
+        vlt = p.alpha * max(0.0, now - t_last - p.beta_b * r.slo.tbt_ms / 1000.0)
+    return -r.priority, r._max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt
 
 
 class RotaryPolicy:
@@ -276,14 +297,18 @@ class RotaryPolicy:
         # displaces a running one (a lost request bounced in and out costs two copies per token).
         # Under overload most rotary requests are: the scheduler ranks only those that fit. (In
         # `others` order but for the lost rotary ones last: they never tie with one on time.)
-        lagging, patient = [], []
+        lagging, patient = [], []  # (the lagging with their ranking keys, computed once)
         for r in [*waiting, *sched.rotary_on_time]:
-            (patient if r.tbt_missed or virtual_lag_time(r, now, p) <= 0 else lagging).append(r)
+            key = _rank(now, p, r)  # (-priority, tbt_missed, -VLT)
+            if key[1] or key[2] >= 0:
+                patient.append(r)
+            else:
+                lagging.append((key, r))
         patient += sched.rotary_lost
         left = free + p.transfer_budget_blocks
         xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
         admit = []
-        for r in self.rank(lagging, now):
+        for _, r in sorted(lagging, key=itemgetter(0)):  # as `rank` orders them
             if left <= 0 or xfer_left <= 0:
                 break  # Prioritize is done: nothing more fits under free + B_xfer
             n, copies = blocks(r), sched.admission_copies(r)

@@ -307,8 +307,8 @@ class Scheduler:
 
     def admission_blocks(self, req: Request) -> int:
         """Free GPU blocks a non-running request takes to be admitted and finish its next step."""
-        if req.status is RequestStatus.ROTARY:
-            return self.kv.swap_in_blocks(req, self.next_tokens(req))
+        if req.status is RequestStatus.ROTARY:  # (next_tokens, from its own fields: it is not running)
+            return self.kv.swap_in_blocks(req, len(req._token_ids) + req._num_pending_tokens - req._num_computed_tokens)
         return self.kv.admission_need(req)
 
     def admission_copies(self, req: Request) -> int:
@@ -362,10 +362,12 @@ class Scheduler:
     def _decode_columns(self, slots: np.ndarray) -> _DecodeColumns:
         """The decode rows' columns for the plan, gathered from the running batch; or, while the
         same requests decode in the same slots as in the last plan (a decode batch's steady
-        state), that plan's, with only the block tables that grew since read again."""
+        state), that plan's, with only the block tables that grew since read again (worth its
+        comparisons from a few dozen rows on)."""
         b, last = self.batch, self._last_decode_columns
         gens, nblocks = b.np_gen[slots], b.np_nblocks[slots]
-        if last is not None and np.array_equal(slots, last.slots) and np.array_equal(gens, last.gens):
+        reuse = last is not None and len(slots) >= self.rows_per_vector
+        if reuse and np.array_equal(slots, last.slots) and np.array_equal(gens, last.gens):
             tables = last.block_ids.copy()  # (the last plan keeps its own)
             for k in np.flatnonzero(nblocks != last.nblocks).tolist():
                 tables[k] = last.requests[k].block_ids
@@ -759,9 +761,12 @@ class Scheduler:
         b, bs = self.batch, self.kv.block_size
         gen, pending, num_tokens, last_token = b.gen, b.pending, b.num_tokens, b.last_token
         t_last, max_gap, limit, prompt_len = b.t_last, b.max_gap, b.limit, b.prompt_len
-        fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else set()
-        touched = []
+        tail_tokens, tail_gaps = b.tail_tokens, b.tail_gaps
+        fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else ()
+        add_gap, first = self.token_timing.add_gap, self.token_timing.first
+        touched: list[Request] = []
         new = NewTokens([], [])
+        new_tokens, new_num_output = new.tokens, new.num_output
         slots, gens = submitted.decode_slots.tolist(), submitted.decode_gens.tolist()
         rows_of = zip(submitted.decoded, slots, gens, tokens, strict=True)
         for k, (req, slot, planned_gen, token) in enumerate(rows_of):
@@ -771,26 +776,29 @@ class Scheduler:
                     new.add(token, req.num_output_tokens)
                 continue
             pending[slot] -= 1
-            req.token_ids.append(token)
-            num_tokens[slot] += 1
+            if tail_tokens[slot]:  # (what req.token_ids does first)
+                b.flush_tokens(slot)
+            req._token_ids.append(token)
+            n = num_tokens[slot] = num_tokens[slot] + 1
             last_token[slot] = token
             t = t_last[slot]
             if t != t:  # NaN: its first token
                 req.t_first_token = now
-                self.token_timing.first.append(req)
+                first.append(req)
             else:
                 gap = now - t
-                req.token_gaps.append(gap)
-                self.token_timing.add_gap(req.slo_class, gap)
+                if tail_gaps[slot]:  # (what req.token_gaps does first)
+                    b.flush_gaps(slot)
+                req._token_gaps.append(gap)
+                add_gap(req.slo_class, gap)
                 if gap > max_gap[slot]:
                     max_gap[slot] = gap  # (running: its TBT cannot be lost now, see _apply_decodes)
             t_last[slot] = now
             if k in fills:
                 self.kv.filled((req,), (rows.start_pos[k] // bs,))
-            new.add(token, num_tokens[slot] - prompt_len[slot])
-            if (token in req.stop_token_set or num_tokens[slot] >= limit[slot]) and (
-                reason := req.stop_reason()
-            ) is not None:
+            new_tokens.append(token)
+            new_num_output.append(n - prompt_len[slot])
+            if (token in req.stop_token_set or n >= limit[slot]) and (reason := req.stop_reason()) is not None:
                 self._finish(req, reason)
             touched.append(req)
         return touched, new

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FEATURES = 3
+# Steps between refits once the model is warm: one step moves the decayed fit by about 1 - decay,
+# and the fit (pure Python) costs more than a small batch's whole scheduling.
+REFIT_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class StepTimeModel:
             for j in range(FEATURES):
                 row[j] = self.decay * row[j] + x[i] * x[j]
         self.samples += 1
-        self._coef = None
+        if self.samples <= 2 * self.min_samples or self.samples % REFIT_EVERY == 0:
+            self._coef = None  # refit at the next prediction
 
     def coefficients(self) -> list[float]:
         """(seconds per step, per token, per thousand context tokens), none negative."""

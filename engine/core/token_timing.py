@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,9 +29,11 @@ class TokenTiming:
     def add_gaps(self, slo_class: str, gaps: np.ndarray) -> None:
         self._arrays[slo_class].append(gaps)
 
-    def gaps(self) -> dict[str, np.ndarray]:
-        """Every gap of the update, by SLO class."""
-        return {
-            slo_class: np.concatenate([*self._arrays[slo_class], np.asarray(self._singles[slo_class], dtype=float)])
-            for slo_class in {*self._arrays, *self._singles}
-        }
+    def gaps(self) -> dict[str, Sequence[float] | np.ndarray]:
+        """Every gap of the update, by SLO class: a list where all came one by one (small
+        batches, where numpy's fixed cost per call is more than the work), else an array."""
+        out: dict[str, Sequence[float] | np.ndarray] = dict(self._singles)
+        for slo_class, arrays in self._arrays.items():
+            singles = self._singles.get(slo_class)
+            out[slo_class] = np.concatenate([*arrays, singles]) if singles or len(arrays) > 1 else arrays[0]
+        return out
