@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from superinfer.engine.core.policies import MIN_PREFILL_CHUNK, RotaryParams, RotaryPolicy, tbt_guard
-from superinfer.engine.core.step_time import StepShape, StepTimeModel
+from superinfer.engine.core.step_time import REFIT_EVERY, StepShape, StepTimeModel
 from superinfer.engine.slo import SLO
 from tests.test_core import make_request
 from tests.test_rotary import Clock, rotary_scheduler, step
@@ -116,3 +116,20 @@ def test_no_guard_while_only_decodes_run_and_nothing_waits():
     guard = tbt_guard(s, clock.now, RotaryParams().tbt_headroom)
     assert guard is not None
     assert s.policy.decide(s, clock.now).token_budget == guard.token_budget
+
+
+def test_a_warm_model_refits_every_few_steps():
+    """Once warm, the fit is redone every REFIT_EVERY observations, not after each: it follows
+    the machine within a few steps, at a fraction of the cost."""
+    model = StepTimeModel(decay=0.9, min_samples=4)
+    for tokens in [1, 8, 16, 32] * 4:  # 16 samples: past the warm-up
+        model.observe(StepShape(tokens, 0), 0.01 + 0.001 * tokens)
+    before = model.predict(StepShape(10, 0))
+    assert before == pytest.approx(0.02, rel=1e-3)
+    observed = model.samples
+    while (observed + 1) % REFIT_EVERY:  # the machine got twice as slow; no refit yet
+        model.observe(StepShape(10, 0), 0.04)
+        observed += 1
+        assert model.predict(StepShape(10, 0)) == before
+    model.observe(StepShape(10, 0), 0.04)  # the refit
+    assert model.predict(StepShape(10, 0)) > before
