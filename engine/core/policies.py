@@ -305,20 +305,40 @@ class RotaryPolicy:
             else:
                 lagging.append((key, r))
         patient += sched.rotary_lost
-        left = free + p.transfer_budget_blocks
-        xfer_left = p.transfer_budget_blocks  # rule 6 at selection: what cannot move this step is not chosen
-        admit = []
+        xfer = p.transfer_budget_blocks
+        left = free + xfer
+        # Rule 6 at selection: what cannot move this step is not chosen. A request's copies are at
+        # most its CPU blocks and tail (admission_copies_bound); while the admitted ones' bounds fit
+        # B_xfer every check passes whatever their exact counts, which look up each block in the GPU
+        # cache: they are counted once the budget may bind (`xfer_left` is exact then, else a
+        # lower bound).
+        xfer_left, exact = xfer, False
+        admit: list[Request] = []
+
+        def exact_left() -> int:
+            return xfer - sum(map(sched.admission_copies, admit))
+
         for _, r in sorted(lagging, key=itemgetter(0)):  # as `rank` orders them
+            if xfer_left <= 0 and not exact:
+                xfer_left, exact = exact_left(), True
             if left <= 0 or xfer_left <= 0:
                 break  # Prioritize is done: nothing more fits under free + B_xfer
-            n, copies = blocks(r), sched.admission_copies(r)
-            # A request that could never come back within one step's budget still goes to the
-            # scheduler, which prefills it again instead.
-            if n <= left and (copies <= xfer_left or copies > p.transfer_budget_blocks):
-                admit.append(r)
-                left -= n
-                xfer_left -= copies
-        to_free = p.transfer_budget_blocks - left
+            n = blocks(r)
+            if n > left:
+                continue
+            copies = sched.admission_copies(r) if exact else sched.admission_copies_bound(r)
+            if copies > xfer_left:
+                if not exact:
+                    xfer_left, exact = exact_left(), True
+                    copies = sched.admission_copies(r)
+                # A request that could never come back within one step's budget still goes to the
+                # scheduler, which prefills it again instead.
+                if copies > xfer_left and copies <= xfer:
+                    continue
+            admit.append(r)
+            left -= n
+            xfer_left -= copies
+        to_free = xfer - left
         rotate_out = []
         if to_free > 0:
             for r in _running_worst_first(sched.batch, now):

@@ -315,6 +315,12 @@ class Scheduler:
         """Blocks copied in to admit a non-running request (a rotary one)."""
         return self.kv.swap_in_copies(req) if req.status is RequestStatus.ROTARY else 0
 
+    def admission_copies_bound(self, req: Request) -> int:
+        """At least admission_copies, without looking at the GPU cache: every CPU block and tail."""
+        if req.status is RequestStatus.ROTARY:
+            return len(req.cpu_block_ids) + (req.cpu_tail is not None)
+        return 0
+
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._step_id += 1
