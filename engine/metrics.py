@@ -52,11 +52,12 @@ RATIO_BUCKETS = tuple(i / 10 for i in range(11))
 FEW_VALUES = 32  # up to this many values a Python loop counts them faster than numpy's calls
 
 
-class TokenHistogram:
-    """A histogram observed once per generated token, thousands of times per step at scale: a
-    step's values counted into buckets by one numpy pass, exported at scrape time as an ordinary
-    Prometheus histogram (prometheus-client's Histogram takes a lock and walks its buckets in
-    Python for each value, most of the engine's per-token output work)."""
+class BatchHistogram:
+    """A histogram observed every step, per token or per step phase: values counted into its
+    buckets without a lock (a step's many by one numpy pass, a few by a loop), exported at scrape
+    time as an ordinary Prometheus histogram. prometheus-client's Histogram takes a lock, checks
+    its labels and walks its buckets in Python for each value: most of the engine's per-token
+    output work at thousands of requests, and a few percent of a tiny model's ~2 ms step."""
 
     def __init__(
         self,
@@ -80,12 +81,15 @@ class TokenHistogram:
         if len(values) <= FEW_VALUES:
             for value in values:
                 counts[bisect_left(self.bounds, value)] += 1
-            counts[-1] += float(sum(values))
+                counts[-1] += value
             return
         hits = np.bincount(np.searchsorted(self.bounds, values), minlength=len(self.les))
         for bucket in np.flatnonzero(hits).tolist():
             counts[bucket] += int(hits[bucket])
         counts[-1] += float(np.sum(values))
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        self.observe_all(labels, (value,))
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -121,6 +125,9 @@ class EngineMetrics:
         def histogram(name: str, buckets: tuple[float, ...] | list[float], *labels: str) -> Histogram:
             return Histogram(c.metric(name), name.replace("_", " "), [label, *labels], buckets=buckets, registry=reg)
 
+        def every_step(name: str, buckets: Sequence[float], *labels: str) -> BatchHistogram:
+            return BatchHistogram(c.metric(name), name.replace("_", " "), [label, *labels], buckets, reg)
+
         self.gauges = {name: gauge(name, *labels) for name, labels in c.GAUGES.items()}
         self.counters = {name: counter(name, *labels) for name, labels in c.COUNTERS.items()}
         classes = dict(classes) if classes is not None else {c.DEFAULT_SLO_CLASS: slo}
@@ -131,15 +138,15 @@ class EngineMetrics:
         self.ttft = histogram("time_to_first_token_seconds", ttft_buckets, *c.HISTOGRAMS["time_to_first_token_seconds"])
         tbt_labels = [label, *c.HISTOGRAMS["time_between_tokens_seconds"]]
         tbt_name = "time_between_tokens_seconds"
-        self.tbt = TokenHistogram(c.metric(tbt_name), tbt_name.replace("_", " "), tbt_labels, tbt_buckets, reg)
+        self.tbt = BatchHistogram(c.metric(tbt_name), tbt_name.replace("_", " "), tbt_labels, tbt_buckets, reg)
         self.queue = histogram("request_queue_seconds", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", LATENCY_BUCKETS)
-        self.step = histogram("scheduler_step_seconds", STEP_BUCKETS, "phase")
-        self.swap_seconds = histogram("kv_swap_seconds", STEP_BUCKETS, "direction")
-        self.rotation = histogram("rotation_seconds", COPY_LATENCY_BUCKETS, "direction")
-        self.copy_queue = histogram("kv_copy_queue_seconds", COPY_LATENCY_BUCKETS, "direction")
-        self.copy_bandwidth = histogram("kv_copy_bandwidth_bytes_per_second", BANDWIDTH_BUCKETS, "direction")
-        self.copy_hidden = histogram("kv_copy_hidden_ratio", RATIO_BUCKETS)
+        self.step = every_step("scheduler_step_seconds", STEP_BUCKETS, "phase")
+        self.swap_seconds = every_step("kv_swap_seconds", STEP_BUCKETS, "direction")
+        self.rotation = every_step("rotation_seconds", COPY_LATENCY_BUCKETS, "direction")
+        self.copy_queue = every_step("kv_copy_queue_seconds", COPY_LATENCY_BUCKETS, "direction")
+        self.copy_bandwidth = every_step("kv_copy_bandwidth_bytes_per_second", BANDWIDTH_BUCKETS, "direction")
+        self.copy_hidden = every_step("kv_copy_hidden_ratio", RATIO_BUCKETS)
         self.slo_target = gauge(c.SLO_TARGET_GAUGE, *c.SLO_TARGET_LABELS)
         for name, target in classes.items():
             self.slo_target.labels(model_name, "ttft", name).set(target.ttft_ms / 1000.0)
@@ -147,6 +154,7 @@ class EngineMetrics:
         Info(c.metric("info"), "engine build and configuration", [label], registry=reg).labels(model_name).info(info)
         self._seen = SchedulerCounters()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._gauge_values: dict[tuple[str, tuple[str, ...]], float] = {}  # what each gauge was set to
 
         self.vllm: dict[str, Gauge | Counter | Histogram] = {}
         if vllm_compat:
@@ -163,7 +171,7 @@ class EngineMetrics:
                 "generation": Counter("vllm:generation_tokens", "generated tokens", vl, registry=reg),
             }
         itl = "vllm:inter_token_latency_seconds"
-        self.itl = TokenHistogram(itl, "inter-token latency", ["model_name"], tbt_buckets, reg) if vllm_compat else None
+        self.itl = BatchHistogram(itl, "inter-token latency", ["model_name"], tbt_buckets, reg) if vllm_compat else None
 
     def _child(self, family: Gauge | Counter | Histogram, *labels: str) -> Any:
         """The family's series for this model and `labels`, looked up once (labels() is slow)."""
@@ -173,8 +181,13 @@ class EngineMetrics:
             child = self._children[key] = family.labels(self.model_name, *labels)
         return child
 
-    def _g(self, name: str, *labels: str) -> Gauge:
-        return self._child(self.gauges[name], *labels)
+    def _set(self, name: str, value: float, *labels: str) -> None:
+        """Set a gauge, unless it holds `value` already (each set takes a lock; most gauges keep
+        their value from one step to the next)."""
+        key = (name, labels)
+        if self._gauge_values.get(key) != value:
+            self._gauge_values[key] = value
+            self._child(self.gauges[name], *labels).set(value)
 
     def _c(self, name: str, *labels: str) -> Counter:
         return self._child(self.counters[name], *labels)
@@ -194,7 +207,7 @@ class EngineMetrics:
     ) -> None:
         self.on_state(sched, kv, now)
         for phase, seconds in phase_seconds.items():
-            self._child(self.step, phase).observe(seconds)
+            self.step.observe((self.model_name, phase), seconds)
         counters = sched.counters
         seen = self._seen.preemption_reasons
         for (mode, reason), n in counters.preemption_reasons.items():
@@ -214,22 +227,22 @@ class EngineMetrics:
                 continue
             seconds = getattr(copies, f"seconds_{direction}")
             self._c("kv_swap_bytes", swap_direction).inc(blocks * block_bytes)
-            self._child(self.swap_seconds, swap_direction).observe(seconds)
-            self._child(self.rotation, direction).observe(getattr(copies, f"latency_{direction}"))
-            self._child(self.copy_queue, direction).observe(getattr(copies, f"queue_{direction}"))
+            self.swap_seconds.observe((self.model_name, swap_direction), seconds)
+            self.rotation.observe((self.model_name, direction), getattr(copies, f"latency_{direction}"))
+            self.copy_queue.observe((self.model_name, direction), getattr(copies, f"queue_{direction}"))
             if seconds > 0:  # a span below the clock's resolution has no measurable bandwidth
-                self._child(self.copy_bandwidth, direction).observe(blocks * block_bytes / seconds)
+                self.copy_bandwidth.observe((self.model_name, direction), blocks * block_bytes / seconds)
         if copies.hidden_ratio is not None:
-            self._child(self.copy_hidden).observe(copies.hidden_ratio)
+            self.copy_hidden.observe((self.model_name,), copies.hidden_ratio)
 
     def on_state(self, sched: Scheduler, kv: KVCacheManager, now: float) -> None:
         """Set the gauges from the scheduler and block pools as they are now (after every step,
         and after anything that changes them between steps, such as an abort with the engine idle)."""
-        self._g("requests_running").set(sched.num_running)
-        self._g("requests_waiting").set(sched.num_waiting)
-        self._g("requests_rotary").set(sched.num_rotary)
+        self._set("requests_running", sched.num_running)
+        self._set("requests_waiting", sched.num_waiting)
+        self._set("requests_rotary", sched.num_rotary)
         lags = (slo_lag_seconds(r.arrival_time, r.t_last_token, r.slo, now) for r in (*sched.waiting, *sched.rotary))
-        self._g("slo_lag_seconds").set(max(lags, default=0.0))
+        self._set("slo_lag_seconds", max(lags, default=0.0))
         # GPU blocks: free (empty), dirty (no CPU copy yet), clean (written through), quarantined.
         clean = min(kv.pool.num_used, sched.batch.blocks_written())
         states = {
@@ -244,9 +257,9 @@ class EngineMetrics:
             states["cpu"] = {"free": kv.cpu.num_free, "used": kv.cpu.num_used, "quarantined": len(kv.cpu.held)}
         for tier, pool in (("gpu", kv.pool), ("cpu", kv.cpu)):
             if pool is not None:
-                self._g("kv_cache_usage_ratio", tier).set(pool.num_used / pool.num_blocks)
+                self._set("kv_cache_usage_ratio", pool.num_used / pool.num_blocks, tier)
                 for state, n in states[tier].items():
-                    self._g("kv_blocks", tier, state).set(n)
+                    self._set("kv_blocks", n, tier, state)
         self._compat("running", "set", sched.num_running)
         self._compat("waiting", "set", sched.num_waiting)
         self._compat("kv", "set", kv.usage)

@@ -59,6 +59,9 @@ _COLUMNS = {
     "slo_class": "q",  # its SLO class, as an index into slo_classes
 }
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
+# Below this many rows a loop over the columns beats vector operations (numpy's cost per call):
+# the scheduler's default Scheduler.rows_per_vector.
+ROWS_PER_VECTOR = 48
 
 
 # Each running request, and what its plan rows share.
@@ -129,6 +132,9 @@ class RunningBatch:
     def blocks_written(self) -> int:
         """GPU blocks of the running requests that have a copy in the CPU tier."""
         order = self.order
+        if len(order) < ROWS_PER_VECTOR:
+            written, nblocks = self.written, self.nblocks
+            return sum(min(written[slot], nblocks[slot]) for slot in order.tolist())
         return int(np.minimum(self.np_written[order], self.np_nblocks[order]).sum())
 
     def add_gaps(self, slots: np.ndarray, gaps: np.ndarray) -> None:

@@ -35,7 +35,7 @@ from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from superinfer.engine.core.running_batch import RunningBatch
+from superinfer.engine.core.running_batch import ROWS_PER_VECTOR, RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.engine.core.token_timing import TokenTiming
 
@@ -43,7 +43,6 @@ _arrival = attrgetter("arrival_time")
 # Full blocks are written through to the CPU tier only while less than this share of the GPU pool
 # is free (or requests wait): see Scheduler._write_through.
 WRITE_THROUGH_FREE_SHARE = 0.5
-ROWS_PER_VECTOR = 48  # see Scheduler.rows_per_vector
 
 
 def _remove_sorted(requests: list[Request], req: Request) -> None:

@@ -1,6 +1,6 @@
-"""The per-token histograms (time between tokens, vLLM's inter-token latency) expose exactly what
-prometheus-client's Histogram would for the same observations, and one call per step counts a
-step's tokens."""
+"""The batched histograms (time between tokens, vLLM's inter-token latency, the step phases and
+KV copies) expose exactly what prometheus-client's Histogram would for the same observations, and
+one call per step counts a step's tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from superinfer.engine import contract as c
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.core.token_timing import TokenTiming
-from superinfer.engine.metrics import FEW_VALUES, EngineMetrics, TokenHistogram
+from superinfer.engine.metrics import FEW_VALUES, BatchHistogram, EngineMetrics
 from superinfer.engine.slo import SLO
 
 BUCKETS = (0.01, 0.1, 0.5, 1.0)
@@ -35,19 +35,19 @@ def samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], floa
 def test_exposes_what_prometheus_clients_histogram_exposes(mode):
     """One value a call, a step's few (a Python loop) and a step's many (numpy's pass)."""
     ours, theirs = CollectorRegistry(), CollectorRegistry()
-    token_histogram = TokenHistogram("gap_seconds", "gap", ["model_name", "slo_class"], BUCKETS, ours)
+    batch_histogram = BatchHistogram("gap_seconds", "gap", ["model_name", "slo_class"], BUCKETS, ours)
     histogram = Histogram("gap_seconds", "gap", ["model_name", "slo_class"], buckets=BUCKETS, registry=theirs)
     repeat = 20 if mode == "many-at-once" else 1
     for labels, values in VALUES.items():
         values = values * repeat
         if mode == "few-at-once":
-            token_histogram.observe_all(labels, values)
+            batch_histogram.observe_all(labels, values)
         elif mode == "many-at-once":
             assert len(values) > FEW_VALUES
-            token_histogram.observe_all(labels, np.array(values))
+            batch_histogram.observe_all(labels, np.array(values))
         for v in values:
             if mode == "one-by-one":
-                token_histogram.observe_all(labels, [v])
+                batch_histogram.observe_all(labels, [v])
             histogram.labels(*labels).observe(v)
     mine, reference = samples(ours), samples(theirs)
     assert [s[:2] for s in mine] == [s[:2] for s in reference]
