@@ -81,7 +81,7 @@ class BatchHistogram:
         if len(values) <= FEW_VALUES:
             for value in values:
                 counts[bisect_left(self.bounds, value)] += 1
-                counts[-1] += value
+                counts[-1] += float(value)
             return
         hits = np.bincount(np.searchsorted(self.bounds, values), minlength=len(self.les))
         for bucket in np.flatnonzero(hits).tolist():
