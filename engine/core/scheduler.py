@@ -572,7 +572,8 @@ class Scheduler:
                     if strict:
                         return
                     continue
-                copies = self.kv.swap_in_copies(req)
+                # Within what this step can still move, its copies need no count (swap_in makes them).
+                copies = may_copy if may_copy <= step.transfer_left else self.kv.swap_in_copies(req)
                 if copies > self.config.transfer_budget_blocks:
                     self._leave_rotary(req)  # it could never come back within a step's budget
                     self._recompute(req, "transfer_budget")
