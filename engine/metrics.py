@@ -125,7 +125,7 @@ class EngineMetrics:
         def histogram(name: str, buckets: tuple[float, ...] | list[float], *labels: str) -> Histogram:
             return Histogram(c.metric(name), name.replace("_", " "), [label, *labels], buckets=buckets, registry=reg)
 
-        def every_step(name: str, buckets: Sequence[float], *labels: str) -> BatchHistogram:
+        def batched(name: str, buckets: Sequence[float], *labels: str) -> BatchHistogram:
             return BatchHistogram(c.metric(name), name.replace("_", " "), [label, *labels], buckets, reg)
 
         self.gauges = {name: gauge(name, *labels) for name, labels in c.GAUGES.items()}
@@ -136,17 +136,16 @@ class EngineMetrics:
             ttft_buckets = histogram_buckets(target.ttft_ms / 1000.0, ttft_buckets)
             tbt_buckets = histogram_buckets(target.tbt_ms / 1000.0, tbt_buckets)
         self.ttft = histogram("time_to_first_token_seconds", ttft_buckets, *c.HISTOGRAMS["time_to_first_token_seconds"])
-        tbt_labels = [label, *c.HISTOGRAMS["time_between_tokens_seconds"]]
         tbt_name = "time_between_tokens_seconds"
-        self.tbt = BatchHistogram(c.metric(tbt_name), tbt_name.replace("_", " "), tbt_labels, tbt_buckets, reg)
+        self.tbt = batched(tbt_name, tbt_buckets, *c.HISTOGRAMS[tbt_name])
         self.queue = histogram("request_queue_seconds", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", LATENCY_BUCKETS)
-        self.step = every_step("scheduler_step_seconds", STEP_BUCKETS, "phase")
-        self.swap_seconds = every_step("kv_swap_seconds", STEP_BUCKETS, "direction")
-        self.rotation = every_step("rotation_seconds", COPY_LATENCY_BUCKETS, "direction")
-        self.copy_queue = every_step("kv_copy_queue_seconds", COPY_LATENCY_BUCKETS, "direction")
-        self.copy_bandwidth = every_step("kv_copy_bandwidth_bytes_per_second", BANDWIDTH_BUCKETS, "direction")
-        self.copy_hidden = every_step("kv_copy_hidden_ratio", RATIO_BUCKETS)
+        self.step = batched("scheduler_step_seconds", STEP_BUCKETS, "phase")
+        self.swap_seconds = batched("kv_swap_seconds", STEP_BUCKETS, "direction")
+        self.rotation = batched("rotation_seconds", COPY_LATENCY_BUCKETS, "direction")
+        self.copy_queue = batched("kv_copy_queue_seconds", COPY_LATENCY_BUCKETS, "direction")
+        self.copy_bandwidth = batched("kv_copy_bandwidth_bytes_per_second", BANDWIDTH_BUCKETS, "direction")
+        self.copy_hidden = batched("kv_copy_hidden_ratio", RATIO_BUCKETS)
         self.slo_target = gauge(c.SLO_TARGET_GAUGE, *c.SLO_TARGET_LABELS)
         for name, target in classes.items():
             self.slo_target.labels(model_name, "ttft", name).set(target.ttft_ms / 1000.0)

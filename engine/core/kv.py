@@ -640,6 +640,10 @@ class KVCacheManager:
         misses = self.pool.lookup_all(self._full_hashes(req)).count(None)
         return misses + (req.cpu_tail is not None)
 
+    def swap_in_copies_bound(self, req: Request) -> int:
+        """At least swap_in_copies, without looking at the GPU cache: every CPU block and the tail."""
+        return len(req.cpu_block_ids) + (req.cpu_tail is not None)
+
     def swap_in(self, req: Request, num_new_tokens: int, step: int) -> SwapIn:
         """Bring a rotary request's KV back: the copies, and what they must wait for.
 

@@ -316,9 +316,7 @@ class Scheduler:
 
     def admission_copies_bound(self, req: Request) -> int:
         """At least admission_copies, without looking at the GPU cache: every CPU block and tail."""
-        if req.status is RequestStatus.ROTARY:
-            return len(req.cpu_block_ids) + (req.cpu_tail is not None)
-        return 0
+        return self.kv.swap_in_copies_bound(req) if req.status is RequestStatus.ROTARY else 0
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -565,7 +563,7 @@ class Scheduler:
                 blocks = self.kv.swap_in_blocks(req, n)
                 # When it cannot fit (and could come back within the budget), its copies need not
                 # be counted.
-                may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
+                may_copy = self.kv.swap_in_copies_bound(req)
                 if may_copy <= self.config.transfer_budget_blocks and (
                     n > step.budget or blocks > self.kv.num_free_blocks
                 ):
@@ -922,8 +920,7 @@ class Scheduler:
         self.counters.preempted("swap", reason)
         bisect.insort(self.rotary, req, key=_arrival)
         bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=_arrival)
-        may_copy = len(req.cpu_block_ids) + (req.cpu_tail is not None)
-        fits = may_copy <= self.config.transfer_budget_blocks
+        fits = self.kv.swap_in_copies_bound(req) <= self.config.transfer_budget_blocks
         # kv.swap_in_blocks(req, self.next_tokens(req)) while none of its content is in use
         self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
         return True
