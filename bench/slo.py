@@ -87,12 +87,13 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
             or 0.0
         )
         report[f"swap_gb_s_{direction}"] = moved / duration / 1e9
-    graphs = core.runner.graphs
+    # (the replay count, not the graphs: they hold the model and cache, which the cleanup below frees)
+    replays = core.runner.graphs.replays if core.runner.graphs is not None else None
     report.update(
         rate=rate,
         steps=len(copies),
         # on a GPU, the decode-only steps replayed as CUDA graphs; the rest (prefill chunks) ran op by op
-        graph_step_share=graphs.replays / max(1, len(copies)) if graphs is not None else 0.0,
+        graph_step_share=replays / max(1, len(copies)) if replays is not None else 0.0,
         rotations=counters.rotations,
         rotations_per_request=counters.rotations / max(1.0, report["requests"]),
         recomputes=counters.preemptions["recompute"],

@@ -4,8 +4,9 @@ concatenation of the halves and a sum).
 `cos` and `sin` are RotaryEmbedding's tables for the step's positions, [T, 1, D] in the input's
 dtype: cos = (cos, cos) and sin = (-sin, sin) over the two halves, so out = x * cos + swap(x) * sin
 with swap(x) the halves exchanged. Each product and the sum round to the input dtype, as torch's
-ops do, so in 16-bit dtypes the results are the same bits as the model's `apply_rope` (in fp32 a
-compiled multiply and add may fuse).
+ops do: through Triton's interpreter the results are the model's `apply_rope` bits; compiled for
+CUDA a few elements differ in the last place (an H100 run, all dtypes: the compiler may fold a
+rounding or fuse a multiply and add).
 """
 
 from __future__ import annotations
