@@ -36,6 +36,8 @@ ABLATION = {
     "rotary[duplex=serial]": {"duplex": "serial"},
     "rotary[no-write-through]": {"write_through": False},
 }
+# Also named in --policies: rotary without its TBT guard (SLO-aware admission).
+VARIANTS = ABLATION | {"rotary[no-slo-admission]": {"slo_admission": False}}
 
 
 def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: object) -> dict[str, float]:
@@ -98,6 +100,7 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         rotations_per_request=counters.rotations / max(1.0, report["requests"]),
         recomputes=counters.preemptions["recompute"],
         num_gpu_blocks=core.kv.num_blocks,
+        **core.scheduler.guard_figures(),
     )
     label = policy + (str(variant) if variant else "")
     print(
@@ -106,7 +109,9 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         f"TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput {report['throughput_tok_s']:.0f} tok/s  "
         f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)  "
         f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}  "
-        f"graph steps {report['graph_step_share']:.0%} of {len(copies)}",
+        f"graph steps {report['graph_step_share']:.0%} of {len(copies)}  guard held/capped "
+        f"{report['guard_held_step_share']:.0%}/{report['guard_capped_step_share']:.0%} of steps, step model off by "
+        f"{report['step_model_error']:.0%}",
         flush=True,
     )
     # The next point's engine sizes its KV cache from the device memory free after loading.
@@ -122,7 +127,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="default: tiny on CPU, llama-3-8b on GPU")
-    parser.add_argument("--policies", default="fcfs,rotary,watermark")
+    parser.add_argument(
+        "--policies", default="fcfs,rotary,watermark", help=f"comma-separated; also {', '.join(VARIANTS)}"
+    )
     parser.add_argument("--rates", default=None, help="requests per second, comma-separated")
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals per point")
     parser.add_argument("--trace", type=Path, default=None, help="JSONL {prompt, generated} or ShareGPT JSON")
@@ -170,7 +177,7 @@ def main() -> None:
         args.max_prompt, args.max_output = min(args.max_prompt, 256), min(args.max_output, 512)
 
     rates = [float(r) for r in args.rates.split(",")]
-    runs = [(p, p, {}) for p in args.policies.split(",")]
+    runs = [(p, "rotary", VARIANTS[p]) if p in VARIANTS else (p, p, {}) for p in args.policies.split(",")]
     if args.ablation:
         runs += [(name, "rotary", v) for name, v in ABLATION.items()]
     goal = {

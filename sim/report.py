@@ -25,5 +25,6 @@ def point_report(result: SimResult) -> dict[str, float]:
         copy_seconds=result.copy_seconds,
         copy_hidden_ratio=result.copy_hidden_ratio or 0.0,
         wall_s=result.wall_s,
+        **result.guard,
     )
     return report

@@ -54,6 +54,7 @@ class SimResult:
     copy_seconds: float
     copy_hidden_ratio: float | None
     wall_s: float  # real seconds the simulation took
+    guard: dict[str, float]  # Scheduler.guard_figures
 
 
 def build_scheduler(config: SimConfig, clock: Callable[[], float]) -> Scheduler:
@@ -148,5 +149,6 @@ def simulate(
         num_cpu_blocks=sched.kv.cpu.num_blocks if sched.kv.cpu else 0,
         copy_seconds=timeline.copy_seconds,
         copy_hidden_ratio=timeline.hidden_ratio,
+        guard=sched.guard_figures(),
         wall_s=time.perf_counter() - t0,
     )

@@ -161,8 +161,10 @@ class ReferenceScheduler:
         )
         step.writes_through = self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None
         decision = self.policy.decide(self, step.now)
-        if decision.token_budget is not None:
-            step.budget = min(step.budget, decision.token_budget)
+        capped = decision.token_budget is not None and decision.token_budget < step.budget
+        if capped:
+            step.budget = decision.token_budget
+        self.counters.guard_held_steps += decision.held > 0
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
@@ -171,6 +173,7 @@ class ReferenceScheduler:
             self._admit(decision.admit, step, decision.strict_order)
             if decision.patient:
                 self._admit_patient(decision.patient, step)
+        self.counters.guard_capped_steps += capped and step.budget <= 0
         if step.writes_through:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran

@@ -82,6 +82,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
         kv, p = sched.kv, self.params
         guard = reference_tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting = list(sched.waiting)
+        held: set[int] = set()
         if guard is not None:
             new = [r for r in waiting if r.t_first_token is None]
             held = {id(r) for r in new[guard.new_requests :]}
@@ -103,7 +104,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
             if total > free:
                 break
         else:
-            return Decision(admit=by_arrival(others), token_budget=budget)
+            return Decision(admit=by_arrival(others), token_budget=budget, held=len(held))
 
         vlt = {r.request_id: virtual_lag_time(r, now, p) for r in [*sched.running, *others]}
         ranked = sorted([*sched.running, *others], key=lambda r: (-r.priority, r.tbt_missed, -vlt[r.request_id]))
@@ -131,7 +132,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
             if self._may_rotate_out(sched, r, now, residency):
                 rotate_out.append(r)
                 to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit + patient, strict_order=False, token_budget=budget)
+        return Decision(rotate_out, admit + patient, strict_order=False, token_budget=budget, held=len(held))
 
 
 # --- the same random trace through both ------------------------------------------------------

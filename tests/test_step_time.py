@@ -23,6 +23,18 @@ def test_the_model_recovers_a_linear_step_time_and_inverts_it():
     assert model.tokens_within(0.003, 0) == 0
 
 
+def test_the_model_reports_how_far_off_it_was():
+    """The mean |predicted - measured| over the measured time, from the first step it predicted."""
+    model = StepTimeModel(decay=1.0, min_samples=2)
+    model.observe(StepShape(1, 0), 0.011)
+    model.observe(StepShape(3, 0), 0.013)
+    assert model.relative_error == 0.0  # nothing predicted yet
+    model.observe(StepShape(2, 0), 0.012)  # as predicted
+    assert model.relative_error == pytest.approx(0.0, abs=1e-6)
+    model.observe(StepShape(2, 0), 0.024)  # twice as long: off by 12 of 36 ms measured
+    assert model.relative_error == pytest.approx(1 / 3, rel=1e-3)
+
+
 def test_coefficients_never_go_negative_and_old_steps_fade():
     model = StepTimeModel(decay=0.5, min_samples=1)
     for tokens in range(1, 20):  # more context made these steps faster: noise, not physics
@@ -65,6 +77,12 @@ def test_guard_holds_new_requests_that_would_break_the_streaming_ones_tbt():
     plan = step(s)
     assert plan.num_tokens <= guard.token_budget
     assert [r.request_id for r in s.waiting] == ["new3", "new4", "new5"], "the rest wait, in order"
+    # The benchmarks' view of it: one step held new requests back; its cut budget was not all spent.
+    assert (s.counters.guard_held_steps, s.counters.guard_capped_steps) == (1, 0)
+    figures = s.guard_figures()
+    assert figures["guard_held_step_share"] == pytest.approx(1 / 3)  # of the three steps so far
+    assert figures["step_model_ms"] == pytest.approx(10.0, rel=1e-3)
+    assert figures["step_model_ms_per_token"] == pytest.approx(10.0, rel=1e-3)
 
 
 def test_a_request_waits_its_own_turn_not_the_tightest_slo_s():
@@ -113,6 +131,7 @@ def test_no_guard_while_only_decodes_run_and_nothing_waits():
     step(s)  # its first chunk: the guard's token budget leaves the rest for later
     long = s.requests["long"]
     assert long in s.running and long.num_computed_tokens < 200
+    assert s.counters.guard_capped_steps == 1  # that step spent the budget the guard cut
     guard = tbt_guard(s, clock.now, RotaryParams().tbt_headroom)
     assert guard is not None
     assert s.policy.decide(s, clock.now).token_budget == guard.token_budget

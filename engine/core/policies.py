@@ -38,6 +38,7 @@ class Decision:
     admit: list[Request] = field(default_factory=list)  # waiting/rotary requests, in admission order
     strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
     token_budget: int | None = None  # a tighter token budget for this step than the configured one
+    held: int = 0  # new requests that could have started but wait for the live ones' TBT (TBTGuard)
     # Admitted after `admit` into what is left, best first by the policy's `rank`, each skipped if
     # it does not fit (never in strict order): the scheduler ranks only those that may fit.
     patient: list[Request] = field(default_factory=list)
@@ -268,6 +269,7 @@ class RotaryPolicy:
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting = list(sched.waiting)
+        held: set[int] = set()
         if guard is not None:  # new requests past what TBT allows wait (their VLT keeps growing)
             new = [r for r in waiting if r.t_first_token is None]  # in arrival order
             held = {id(r) for r in new[guard.new_requests :]}
@@ -276,7 +278,7 @@ class RotaryPolicy:
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
         if not others:
-            return Decision(token_budget=budget)  # nothing to admit: no contention
+            return Decision(token_budget=budget, held=len(held))  # nothing to admit: no contention
         free = kv.num_free_blocks - _growth_blocks(sched)
         taken: dict[str, int] = {}
 
@@ -291,7 +293,7 @@ class RotaryPolicy:
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
-            return Decision(admit=by_arrival(others), token_budget=budget)
+            return Decision(admit=by_arrival(others), token_budget=budget, held=len(held))
 
         # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
         # displaces a running one (a lost request bounced in and out costs two copies per token).
@@ -347,7 +349,7 @@ class RotaryPolicy:
                 if self._may_rotate_out(sched, r, now, residency):
                     rotate_out.append(r)
                     to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit, strict_order=False, token_budget=budget, patient=patient)
+        return Decision(rotate_out, admit, strict_order=False, token_budget=budget, patient=patient, held=len(held))
 
     @staticmethod
     def _may_rotate_out(sched: Scheduler, req: Request, now: float, residency_s: float) -> bool:

@@ -21,6 +21,7 @@ that ends by EOS or a stop string wastes one token, dropped when its step comple
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -89,6 +90,10 @@ class SchedulerCounters:
     # tier had no room) or "transfer_budget" (the copies exceed a step's budget).
     preemption_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
     rotations: int = 0
+    # What the TBT guard (policies.tbt_guard) did: steps in which it held back new requests that
+    # could have started, and steps that spent a token budget it had cut below the configured one.
+    guard_held_steps: int = 0
+    guard_capped_steps: int = 0
 
     @property
     def preemptions(self) -> dict[str, int]:
@@ -291,6 +296,22 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def guard_figures(self) -> dict[str, float]:
+        """For the benchmarks' reports: the share of steps in which the TBT guard held back new
+        requests or cut the token budget, and the step-time model it judges by (its coefficients,
+        its mean error against the measured steps)."""
+        steps = max(1, self._step_id)
+        model = self.step_time
+        base, per_token, per_kctx = model.coefficients() if model.ready else (math.nan,) * 3
+        return {
+            "guard_held_step_share": self.counters.guard_held_steps / steps,
+            "guard_capped_step_share": self.counters.guard_capped_steps / steps,
+            "step_model_ms": base * 1000.0,
+            "step_model_ms_per_token": per_token * 1000.0,
+            "step_model_ms_per_kctx": per_kctx * 1000.0,
+            "step_model_error": model.relative_error,
+        }
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -327,8 +348,11 @@ class Scheduler:
         )
         step.writes_through = self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None
         decision = self.policy.decide(self, step.now)
-        if decision.token_budget is not None:
-            step.budget = min(step.budget, decision.token_budget)
+        capped = decision.token_budget is not None and decision.token_budget < step.budget
+        if capped:
+            step.budget = decision.token_budget
+        if decision.held:
+            self.counters.guard_held_steps += 1
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
@@ -337,6 +361,8 @@ class Scheduler:
             self._admit(decision.admit, step, decision.strict_order)
             if decision.patient:
                 self._admit_patient(decision.patient, step)
+        if capped and step.budget <= 0:
+            self.counters.guard_capped_steps += 1
         if step.writes_through:
             self._write_through(step)
         released, self._released = self._released, []

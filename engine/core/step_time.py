@@ -35,6 +35,10 @@ class StepTimeModel:
         self._xtx = [[0.0] * FEATURES for _ in range(FEATURES)]
         self._xty = [0.0] * FEATURES
         self._coef: list[float] | None = None
+        # Once ready: the sums of |predicted - measured| and of measured step seconds (how far the
+        # guard's view of the machine is off, for the benchmarks' reports).
+        self.abs_error_s = 0.0
+        self.observed_s = 0.0
 
     @property
     def ready(self) -> bool:
@@ -42,6 +46,9 @@ class StepTimeModel:
         return self.samples >= self.min_samples
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        if self.ready:
+            self.abs_error_s += abs(self.predict(shape) - seconds)
+            self.observed_s += seconds
         x = shape.features()
         for i in range(FEATURES):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
@@ -57,6 +64,11 @@ class StepTimeModel:
         if self._coef is None:
             self._coef = _nonnegative_least_squares(self._xtx, self._xty, self.ridge)
         return self._coef
+
+    @property
+    def relative_error(self) -> float:
+        """Mean |predicted - measured| over the measured step time, since the model was ready."""
+        return self.abs_error_s / self.observed_s if self.observed_s > 0 else 0.0
 
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients(), shape.features(), strict=True))
