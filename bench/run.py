@@ -39,14 +39,16 @@ GPU = [
     ["bench.copy", "--device", "cuda"],
     ["bench.peer", "--model", "llama-3-8b", "--device", "cuda", "--dtype", "bfloat16", "--prompts", "128"],
     ["bench.sampler", "--device", "cuda", "--shapes", "256x128256,1024x128256"],
-    # one overloaded rate, both policies: each point builds an engine (~1 minute on an H100 with the drain)
+    # one overloaded rate, both policies and rotary without its TBT guard: each point builds an engine
+    # (~1 minute on an H100 with the drain; a CPU tier sized from that host's memory takes minutes to pin)
     [
         "bench.slo",
         "--device=cuda",
-        "--policies=fcfs,rotary",
+        "--policies=fcfs,rotary,rotary[no-slo-admission]",
         "--rates=45",
         "--duration=15",
         "--gpu-memory-utilization=0.3",
+        "--cpu-kv-gib=16",
     ],
     ["bench.attn", "--batches", "64", "--contexts", "2048", "--prefill", "4096", "--sweep"],
 ]
