@@ -52,13 +52,15 @@ def replay(
     token_times: dict[str, list[float]] = {}
     in_flight: list[tuple[SubmittedStep, float]] = []  # submitted steps, and when their tokens are out
 
-    def collect(step: SubmittedStep, done: float) -> None:
+    def collect(step: SubmittedStep, done: float, phases: dict[str, float]) -> None:
+        t0 = time.perf_counter()
         result = core.runner.collect(step)
+        phases = {**phases, "wait": time.perf_counter() - t0}  # (host seconds, also on a virtual clock)
         if copy_stats is not None:
             copy_stats.append(result.copies)
         if virtual:
             clock.now = max(clock.now, done)
-        for out in core.complete(step.plan, result, {}):
+        for out in core.complete(step.plan, result, phases):
             token_times[out.request_id].append(clock())
 
     nxt = 0
@@ -82,11 +84,15 @@ def replay(
                 time.sleep(max(0.0, wait))
             continue
         # As EngineCore.step does: with async scheduling, plan and submit step t+1, then collect t.
+        t0 = time.perf_counter()
         plan = core.scheduler.schedule()
+        t1 = time.perf_counter()
         in_flight.append((core.runner.submit(plan), timeline.run(plan, clock.now) if virtual else 0.0))
+        phases = {"schedule": t1 - t0, "submit": time.perf_counter() - t1}
         keep = 1 if core.async_scheduling and not plan.is_empty else 0
         while len(in_flight) > keep:
-            collect(*in_flight.pop(0))
+            collect(*in_flight.pop(0), phases)
+            phases = {}
     timings = [
         RequestTiming(start + items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo) for i in range(len(items))
     ]

@@ -18,12 +18,14 @@ import math
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from superinfer.bench.goodput import summarize
 from superinfer.bench.record import write_result
 from superinfer.bench.replay import VirtualClock, replay
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.transfers import summarize_copies
+from superinfer.bench.vllm_peer import parse_counters
 from superinfer.bench.workload import load_trace, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
@@ -38,6 +40,14 @@ ABLATION = {
 }
 # Also named in --policies: rotary without its TBT guard (SLO-aware admission).
 VARIANTS = ABLATION | {"rotary[no-slo-admission]": {"slo_admission": False}}
+
+
+def step_phases(registry: CollectorRegistry) -> dict[str, float]:
+    """Where a step's wall time went (ms per step): schedule, submit, wait (for the device: the
+    step in flight) and update, from the engine's own step-phase histogram."""
+    counted = parse_counters(generate_latest(registry).decode(), vllm=False)
+    steps = max(1.0, counted.steps)
+    return {f"{phase}_ms_per_step": 1000 * seconds / steps for phase, seconds in counted.phase_seconds.items()}
 
 
 def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: object) -> dict[str, float]:
@@ -101,8 +111,12 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         recomputes=counters.preemptions["recompute"],
         num_gpu_blocks=core.kv.num_blocks,
         **core.scheduler.guard_figures(),
+        **step_phases(reg),
     )
     label = policy + (str(variant) if variant else "")
+    phases = " ".join(
+        f"{k.removesuffix('_ms_per_step')} {v:.2f}" for k, v in report.items() if k.endswith("_ms_per_step")
+    )
     print(
         f"{label:9s} rate {rate:6.1f}: TTFT att {report['ttft_attainment']:.2f}  TBT att "
         f"{report['tbt_attainment']:.2f}  goodput {report['goodput_share']:.2f} ({report['goodput_rps']:.2f} req/s)  "
@@ -111,7 +125,7 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}  "
         f"graph steps {report['graph_step_share']:.0%} of {len(copies)}  guard held/capped "
         f"{report['guard_held_step_share']:.0%}/{report['guard_capped_step_share']:.0%} of steps, step model off by "
-        f"{report['step_model_error']:.0%}",
+        f"{report['step_model_error']:.0%}; ms a step: {phases}",
         flush=True,
     )
     # The next point's engine sizes its KV cache from the device memory free after loading.
