@@ -53,7 +53,11 @@ def reference_tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGua
     if not model.ready:
         return None
     streaming = [*sched.running, *sched.rotary, *(r for r in sched.waiting if r.t_first_token is not None)]
-    live = [r for r in streaming if not r.tbt_missed]
+    live = [
+        r
+        for r in streaming
+        if not r.tbt_missed and not (r.t_last_token is not None and (now - r.t_last_token) * 1000 > r.slo.tbt_ms)
+    ]
     if not live:
         return None
     kv, d = sched.kv, len(live)

@@ -98,6 +98,26 @@ def test_a_request_waits_its_own_turn_not_the_tightest_slo_s():
     assert tbt_guard(s, clock.now, 0.8).new_requests == 0
 
 
+def test_a_request_whose_wait_already_broke_its_tbt_holds_nobody_up():
+    """A streaming request that has waited longer than its TBT SLO since its last token has lost
+    it (its next gap will break it), before that token comes: the guard neither protects it nor
+    holds new requests for it. Before, one such request (a recomputed one that could not fit
+    back, say) stopped every new request until its token came."""
+    s, clock = guarded_scheduler(0.0001, SLO(ttft_ms=5000, tbt_ms=100), 2)
+    stalled = make_request("stalled", 6, max_tokens=50, first_token=90)
+    s.add(stalled)  # waiting again with tokens out, as after a recompute
+    stalled.token_ids.append(5)
+    stalled.t_first_token = stalled.t_last_token = clock.now
+    clock.now += 0.09  # past its 80 ms turn, within its 100 ms SLO: it holds new requests
+    assert tbt_guard(s, clock.now, 0.8).new_requests == 0
+    clock.now += 0.02  # past its SLO: lost, and the running two have their turns
+    for r in s.running:
+        r.t_last_token = clock.now - 0.01
+    assert tbt_guard(s, clock.now, 0.8).new_requests == 6
+    clock.now += 0.2  # the running ones waited past their SLO too: nothing is left to protect
+    assert tbt_guard(s, clock.now, 0.8) is None
+
+
 def test_guard_lets_everything_in_when_the_slo_is_loose_or_unreachable():
     s, _ = guarded_scheduler(0.0001, SLO(ttft_ms=5000, tbt_ms=100))
     guard = tbt_guard(s, s.clock(), 0.8)

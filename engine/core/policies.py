@@ -124,13 +124,14 @@ class TBTGuard:
 
 
 def _live_stats(
-    groups: Iterable[Iterable[Request]], headroom: float, running: RunningBatch, by_row: bool
+    groups: Iterable[Iterable[Request]], headroom: float, running: RunningBatch, by_row: bool, now: float
 ) -> tuple[int, int, float, float]:
-    """Of the running requests and those in `groups` (not running) whose TBT SLO is not lost yet:
-    how many, their tokens, the tightest TBT SLO (ms) and when the first of their turns ends
-    (`headroom` x its own TBT SLO after its last token; inf if none has a token). The running
-    ones in columns (`by_row`: few, one at a time), the others in one pass over their own fields:
-    hot at thousands of requests."""
+    """Of the running requests and those in `groups` (not running) whose TBT SLO is not lost yet
+    (no gap between their tokens, nor the wait since their last one, past it): how many, their
+    tokens, the tightest TBT SLO (ms) and when the first of their turns ends (`headroom` x its own
+    TBT SLO after its last token; inf if none has a token). The running ones in columns
+    (`by_row`: few, one at a time), the others in one pass over their own fields: hot at
+    thousands of requests."""
     turn_share = headroom / 1000.0
     count = tokens = 0
     min_tbt_ms = turn_end = math.inf
@@ -138,7 +139,7 @@ def _live_stats(
         tbt_col, max_gap, num_tokens, t_last = running.tbt_ms, running.max_gap, running.num_tokens, running.t_last
         for slot in running.order.tolist():
             tbt_ms = tbt_col[slot]
-            if max_gap[slot] * 1000.0 > tbt_ms:
+            if max(max_gap[slot], now - t_last[slot]) * 1000.0 > tbt_ms:  # (NaN, no token yet: max_gap)
                 continue
             count += 1
             tokens += num_tokens[slot]
@@ -149,7 +150,8 @@ def _live_stats(
     else:
         slots = running.order
         tbt, num_tokens, t_last = running.np_tbt_ms[slots], running.np_num_tokens[slots], running.np_t_last[slots]
-        live = running.np_max_gap[slots] * 1000.0 <= tbt  # not Request.tbt_missed
+        waited = now - t_last  # NaN without a token: fmax takes the gap
+        live = np.fmax(running.np_max_gap[slots], waited) * 1000.0 <= tbt
         count = int(np.count_nonzero(live))
         if count < len(live):
             tbt, num_tokens, t_last = tbt[live], num_tokens[live], t_last[live]
@@ -162,13 +164,13 @@ def _live_stats(
     for group in groups:
         for r in group:
             tbt_ms = r.slo.tbt_ms
-            if r._max_gap_s * 1000.0 > tbt_ms:
-                continue  # r.tbt_missed
+            t = r._t_last_token
+            if r._max_gap_s * 1000.0 > tbt_ms or (t is not None and (now - t) * 1000.0 > tbt_ms):
+                continue  # lost already, or will be with its next token
             count += 1
             tokens += len(r._token_ids)
             if tbt_ms < min_tbt_ms:
                 min_tbt_ms = tbt_ms
-            t = r._t_last_token
             if t is not None and (end := t + tbt_ms * turn_share) < turn_end:
                 turn_end = end
     return count, tokens, min_tbt_ms, turn_end
@@ -193,7 +195,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
         return None
     restarted = [r for r in sched.waiting if r.t_first_token is not None]
     by_row = len(sched.running) < sched.rows_per_vector
-    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch, by_row)
+    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch, by_row, now)
     if not d:
         return None
     kv = sched.kv
