@@ -111,6 +111,7 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         recomputes=counters.preemptions["recompute"],
         num_gpu_blocks=core.kv.num_blocks,
         **core.scheduler.guard_figures(),
+        **counters.by_reason(),
         **step_phases(reg),
     )
     label = policy + (str(variant) if variant else "")

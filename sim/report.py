@@ -26,5 +26,6 @@ def point_report(result: SimResult) -> dict[str, float]:
         copy_hidden_ratio=result.copy_hidden_ratio or 0.0,
         wall_s=result.wall_s,
         **result.guard,
+        **counters.by_reason(),
     )
     return report

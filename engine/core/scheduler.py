@@ -103,6 +103,10 @@ class SchedulerCounters:
             totals[mode] += n
         return totals
 
+    def by_reason(self) -> dict[str, float]:
+        """Preemptions per mode and reason, for the benchmarks' reports: {"recompute_cpu_full": n, ...}."""
+        return {f"{mode}_{reason}": float(n) for (mode, reason), n in sorted(self.preemption_reasons.items())}
+
     def preempted(self, mode: str, reason: str) -> None:
         key = (mode, reason)
         self.preemption_reasons[key] = self.preemption_reasons.get(key, 0) + 1
