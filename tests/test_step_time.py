@@ -18,6 +18,7 @@ def test_the_model_recovers_a_linear_step_time_and_inverts_it():
     assert model.ready
     assert model.coefficients() == pytest.approx([0.004, 0.0002, 0.001], rel=1e-3)
     assert model.predict(StepShape(10, 1000)) == pytest.approx(0.004 + 0.002 + 0.001, rel=1e-3)
+    assert model.time_for(10, 1000) == model.predict(StepShape(10, 1000))  # the same bits, no StepShape
     # 20 ms leave 20 - 4 - 2 (context) = 14 ms: 70 tokens
     assert model.tokens_within(0.020, 2000) == pytest.approx(70, abs=1)
     assert model.tokens_within(0.003, 0) == 0

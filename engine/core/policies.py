@@ -26,7 +26,6 @@ import numpy as np
 
 from superinfer.engine.core.request import Request, RequestStatus
 from superinfer.engine.core.running_batch import RunningBatch
-from superinfer.engine.core.step_time import StepShape
 
 if TYPE_CHECKING:
     from superinfer.engine.core.scheduler import Scheduler
@@ -204,7 +203,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
 
     def gap(num_live: int) -> float:
         n = min(num_live, fit)
-        return model.predict(StepShape(n, n * tokens // d)) * num_live / n
+        return model.time_for(n, n * tokens // d) * num_live / n
 
     if gap(1) > turn:
         return None
@@ -217,31 +216,46 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
     b = sched.batch
-    budget = model.tokens_within(step_s, int(b.np_num_tokens[b.order].sum()))
+    context = sum(map(b.num_tokens.__getitem__, b.order.tolist())) if by_row else int(b.np_num_tokens[b.order].sum())
+    budget = model.tokens_within(step_s, context)
     residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
     return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
 
 
+# Each of these reads the running batch's columns: one row at a time below `rows_per_vector` rows
+# (numpy's cost per call exceeds the loop's there), in vector operations from there on.
+
+
 def _growth_blocks(sched: Scheduler) -> int:
     """GPU blocks the running requests need for their next step: kv.growth_blocks of each for its
-    next_tokens, in columns (hot at thousands of running requests)."""
-    b, slots = sched.batch, sched.batch.order
-    need = -(-(b.np_num_tokens[slots] + b.np_pending[slots]) // sched.kv.block_size) - b.np_nblocks[slots]
+    next_tokens."""
+    b, slots, bs = sched.batch, sched.batch.order, sched.kv.block_size
+    if len(slots) < sched.rows_per_vector:
+        num_tokens, pending, nblocks = b.num_tokens, b.pending, b.nblocks
+        return sum(max(0, -(-(num_tokens[s] + pending[s]) // bs) - nblocks[s]) for s in slots.tolist())
+    need = -(-(b.np_num_tokens[slots] + b.np_pending[slots]) // bs) - b.np_nblocks[slots]
     return int(np.maximum(need, 0).sum())
 
 
-def _prefilling(running: RunningBatch) -> bool:
+def _prefilling(running: RunningBatch, by_row: bool) -> bool:
     """Some running request computes more than one token next (a prefill chunk): what the TBT
     guard's token budget can bind (it always leaves a token for each running request)."""
     slots = running.order
+    if by_row:
+        num_tokens, pending, computed = running.num_tokens, running.pending, running.computed
+        return any(num_tokens[s] + pending[s] - computed[s] > 1 for s in slots.tolist())
     next_tokens = running.np_num_tokens[slots] + running.np_pending[slots] - running.np_computed[slots]
     return bool(np.count_nonzero(next_tokens > 1))
 
 
-def _running_worst_first(running: RunningBatch, now: float) -> list[Request]:
+def _running_worst_first(running: RunningBatch, now: float, by_row: bool) -> list[Request]:
     """The running requests ranked by (-priority, tbt_missed, -VLT), worst first (the reverse of
-    a stable sort), in columns: they are many."""
+    a stable sort)."""
     slots = running.order
+    if by_row:
+        prio, max_gap, tbt, t_run = running.priority, running.max_gap, running.tbt_ms, running.t_run
+        ranked = sorted(slots.tolist(), key=lambda s: (-prio[s], max_gap[s] * 1000.0 > tbt[s], now - t_run[s]))
+        return [running.requests[s] for s in reversed(ranked)]
     missed = running.np_max_gap[slots] * 1000.0 > running.np_tbt_ms[slots]
     order = np.lexsort((now - running.np_t_run[slots], missed, -running.np_priority[slots]))
     return running.requests[slots[order[::-1]]].tolist()
@@ -267,7 +281,8 @@ class RotaryPolicy:
 
     def decide(self, sched: Scheduler, now: float) -> Decision:
         kv, p = sched.kv, self.params
-        if not sched.waiting and not sched.rotary and not _prefilling(sched.batch):
+        by_row = len(sched.running) < sched.rows_per_vector
+        if not sched.waiting and not sched.rotary and not _prefilling(sched.batch, by_row):
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting = list(sched.waiting)
@@ -345,7 +360,7 @@ class RotaryPolicy:
         to_free = xfer - left
         rotate_out = []
         if to_free > 0:
-            for r in _running_worst_first(sched.batch, now):
+            for r in _running_worst_first(sched.batch, now, by_row):
                 if to_free <= 0:
                     break
                 if self._may_rotate_out(sched, r, now, residency):

@@ -71,7 +71,12 @@ class StepTimeModel:
         return self.abs_error_s / self.observed_s if self.observed_s > 0 else 0.0
 
     def predict(self, shape: StepShape) -> float:
-        return sum(c * x for c, x in zip(self.coefficients(), shape.features(), strict=True))
+        return self.time_for(shape.tokens, shape.context)
+
+    def time_for(self, tokens: int, context: int) -> float:
+        """predict(StepShape(tokens, context)), without building one (the guard asks often)."""
+        base, per_token, per_context = self.coefficients()
+        return base + per_token * tokens + per_context * (context / 1000.0)
 
     def tokens_within(self, seconds: float, context: int) -> int:
         """How many tokens a step attending to `context` tokens can compute in `seconds`."""
