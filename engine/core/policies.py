@@ -37,7 +37,7 @@ class Decision:
     admit: list[Request] = field(default_factory=list)  # waiting/rotary requests, in admission order
     strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
     token_budget: int | None = None  # a tighter token budget for this step than the configured one
-    held: int = 0  # new requests that could have started but wait for the live ones' TBT (TBTGuard)
+    held: int = 0  # new requests the TBT guard kept out of this step's admission (TBTGuard.new_requests)
     # Admitted after `admit` into what is left, best first by the policy's `rank`, each skipped if
     # it does not fit (never in strict order): the scheduler ranks only those that may fit.
     patient: list[Request] = field(default_factory=list)

@@ -90,8 +90,8 @@ class SchedulerCounters:
     # tier had no room) or "transfer_budget" (the copies exceed a step's budget).
     preemption_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
     rotations: int = 0
-    # What the TBT guard (policies.tbt_guard) did: steps in which it held back new requests that
-    # could have started, and steps that spent a token budget it had cut below the configured one.
+    # What the TBT guard (policies.tbt_guard) did: steps in which it kept new requests out of
+    # admission, and steps that spent a token budget it had cut below the configured one.
     guard_held_steps: int = 0
     guard_capped_steps: int = 0
 
@@ -301,8 +301,8 @@ class Scheduler:
         return len(self.running)
 
     def guard_figures(self) -> dict[str, float]:
-        """For the benchmarks' reports: the share of steps in which the TBT guard held back new
-        requests or cut the token budget, and the step-time model it judges by (its coefficients,
+        """For the benchmarks' reports: the share of steps in which the TBT guard kept new requests
+        out or cut the token budget, and the step-time model it judges by (its coefficients,
         its mean error against the measured steps)."""
         steps = max(1, self._step_id)
         model = self.step_time
