@@ -226,11 +226,11 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
 # (numpy's cost per call exceeds the loop's there), in vector operations from there on.
 
 
-def _growth_blocks(sched: Scheduler) -> int:
+def _growth_blocks(sched: Scheduler, by_row: bool) -> int:
     """GPU blocks the running requests need for their next step: kv.growth_blocks of each for its
     next_tokens."""
     b, slots, bs = sched.batch, sched.batch.order, sched.kv.block_size
-    if len(slots) < sched.rows_per_vector:
+    if by_row:
         num_tokens, pending, nblocks = b.num_tokens, b.pending, b.nblocks
         return sum(max(0, -(-(num_tokens[s] + pending[s]) // bs) - nblocks[s]) for s in slots.tolist())
     need = -(-(b.np_num_tokens[slots] + b.np_pending[slots]) // bs) - b.np_nblocks[slots]
@@ -296,7 +296,7 @@ class RotaryPolicy:
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
         if not others:
             return Decision(token_budget=budget, held=len(held))  # nothing to admit: no contention
-        free = kv.num_free_blocks - _growth_blocks(sched)
+        free = kv.num_free_blocks - _growth_blocks(sched, by_row)
         taken: dict[str, int] = {}
 
         def blocks(r: Request) -> int:
