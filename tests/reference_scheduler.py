@@ -18,12 +18,20 @@ from operator import attrgetter
 
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
-from superinfer.engine.core.policies import FCFSPolicy, Policy
+from superinfer.engine.core.policies import FCFSPolicy, Policy, RotaryPolicy, virtual_lag_time
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus
 from superinfer.engine.core.scheduler import WRITE_THROUGH_FREE_SHARE, SchedulerConfig, SchedulerCounters
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 
 _arrival = attrgetter("arrival_time")
+
+
+def reference_victim(policy: Policy, candidates: list[Request], now: float) -> Request:
+    """The running request that gives up its blocks when another finds none: rotary's smallest
+    VLT (the longest running, the first on a tie), the others' most recently admitted."""
+    if isinstance(policy, RotaryPolicy):
+        return min(candidates, key=lambda r: virtual_lag_time(r, now, policy.params))
+    return candidates[-1]
 
 
 def _remove_sorted(requests: list[Request], req: Request) -> None:
@@ -297,7 +305,7 @@ class ReferenceScheduler:
                 continue
             n = min(self.next_tokens(req), step.budget)
             while not self.kv.allocate(req, n):
-                victim = self.policy.victim(self.running[i:], step.now)
+                victim = reference_victim(self.policy, self.running[i:], step.now)
                 self._evict(victim, step)
                 step.preempted = True
                 if victim is req:

@@ -49,7 +49,10 @@ class Policy(Protocol):
 
     def decide(self, sched: Scheduler, now: float) -> Decision: ...
 
-    def victim(self, candidates: Sequence[Request], now: float) -> Request: ...
+    def victim(self, running: RunningBatch, first: int, now: float) -> Request:
+        """Out of blocks mid-step: which of the running requests from the `first`-th on (in
+        running order) gives up its blocks."""
+        ...
 
     def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
         """Running requests, the likeliest to be rotated out next first."""
@@ -71,9 +74,9 @@ class FCFSPolicy:
     def decide(self, sched: Scheduler, now: float) -> Decision:
         return Decision(admit=[*sched.waiting, *sched.rotary])
 
-    def victim(self, candidates: Sequence[Request], now: float) -> Request:
+    def victim(self, running: RunningBatch, first: int, now: float) -> Request:
         """The running request to preempt when blocks run out: the most recently admitted."""
-        return candidates[-1]
+        return running.requests[running.order[-1]]
 
     def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
         return list(running)  # never rotates
@@ -248,16 +251,21 @@ def _prefilling(running: RunningBatch, by_row: bool) -> bool:
     return bool(np.count_nonzero(next_tokens > 1))
 
 
-def _running_worst_first(running: RunningBatch, now: float, by_row: bool) -> list[Request]:
+def _running_worst_first(running: RunningBatch, now: float, residency_s: float, by_row: bool) -> list[Request]:
     """The running requests ranked by (-priority, tbt_missed, -VLT), worst first (the reverse of
-    a stable sort)."""
+    a stable sort). In columns, only those that have stayed the residency `_may_rotate_out` asks
+    for: under contention most have not, and each would cost a look of its own."""
     slots = running.order
     if by_row:
         prio, max_gap, tbt, t_run = running.priority, running.max_gap, running.tbt_ms, running.t_run
         ranked = sorted(slots.tolist(), key=lambda s: (-prio[s], max_gap[s] * 1000.0 > tbt[s], now - t_run[s]))
         return [running.requests[s] for s in reversed(ranked)]
-    missed = running.np_max_gap[slots] * 1000.0 > running.np_tbt_ms[slots]
-    order = np.lexsort((now - running.np_t_run[slots], missed, -running.np_priority[slots]))
+    tbt, stayed = running.np_tbt_ms[slots], now - running.np_t_run[slots]
+    missed = running.np_max_gap[slots] * 1000.0 > tbt
+    stayed_enough = stayed >= np.where(missed, np.minimum(residency_s, tbt / 1000.0), residency_s)
+    if np.count_nonzero(stayed_enough) < len(slots):
+        slots, stayed, missed = slots[stayed_enough], stayed[stayed_enough], missed[stayed_enough]
+    order = np.lexsort((stayed, missed, -running.np_priority[slots]))
     return running.requests[slots[order[::-1]]].tolist()
 
 
@@ -360,7 +368,7 @@ class RotaryPolicy:
         to_free = xfer - left
         rotate_out = []
         if to_free > 0:
-            for r in _running_worst_first(sched.batch, now, by_row):
+            for r in _running_worst_first(sched.batch, now, residency, by_row):
                 if to_free <= 0:
                     break
                 if self._may_rotate_out(sched, r, now, residency):
@@ -389,9 +397,11 @@ class RotaryPolicy:
         rotation the running ones worst first: each group is ranked on its own."""
         return sorted(requests, key=partial(_rank, now, self.params))
 
-    def victim(self, candidates: Sequence[Request], now: float) -> Request:
-        """Out of blocks mid-step: the candidate with the smallest VLT (the longest running)."""
-        return min(candidates, key=lambda r: virtual_lag_time(r, now, self.params))
+    def victim(self, running: RunningBatch, first: int, now: float) -> Request:
+        """The candidate with the smallest VLT, -(now - t_run): the longest running (the first
+        in running order on a tie)."""
+        slots = running.order[first:]
+        return running.requests[slots[int(np.argmin(-(now - running.np_t_run[slots])))]]
 
     def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
         """The reverse of `decide`'s ranking: lowest priority, TBT already missed, longest running."""
@@ -416,8 +426,8 @@ class WatermarkPolicy:
                 free += sched.kv.owned_blocks(r)
         return Decision(rotate_out, by_arrival([*sched.waiting, *sched.rotary]))
 
-    def victim(self, candidates: Sequence[Request], now: float) -> Request:
-        return candidates[-1]
+    def victim(self, running: RunningBatch, first: int, now: float) -> Request:
+        return running.requests[running.order[-1]]
 
     def rotation_order(self, running: Sequence[Request], now: float) -> list[Request]:
         return sorted(running, key=lambda r: r.t_run or 0.0)  # the oldest first, as `decide` rotates

@@ -429,7 +429,7 @@ class Scheduler:
             req = running[i]  # a prefill chunk, or a decode with no free block for it
             n = min(self.next_tokens(req), step.budget)
             while not kv.allocate(req, n):
-                victim = self.policy.victim(self.running[i:], step.now)
+                victim = self.policy.victim(self.batch, i, step.now)
                 self._evict(victim, step)
                 step.preempted = True
                 if victim is req:
