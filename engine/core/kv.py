@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
@@ -154,10 +154,13 @@ class BlockPool:
 
     def _take(self, blocks: list[int]) -> list[int]:
         """Hand out blocks just taken off the free list: their old content is no longer findable."""
-        ref_cnt, hash_of = self.ref_cnt, self.hash_of
-        for block in blocks:  # (locals only: a step takes dozens)
-            if hash_of[block] is not None:
-                self._drop_hash(block)
+        ref_cnt, hash_of, cached = self.ref_cnt, self.hash_of, self.cached
+        for block in blocks:  # (locals only, `_drop_hash` inlined: a step takes hundreds)
+            h = hash_of[block]
+            if h is not None:
+                if cached.get(h) == block:
+                    del cached[h]
+                hash_of[block] = None
             ref_cnt[block] = 1
         return blocks
 
@@ -180,7 +183,7 @@ class BlockPool:
         unfinished step touches it, into quarantine until that step retires."""
         fence = computed_in if computed_in > self.completed else 0
         ref_cnt, hash_of, cached = self.ref_cnt, self.hash_of, self.cached
-        copying, computing = self.copying, self.computing
+        copying, computing, in_use, watched = self.copying, self.computing, self.in_use, self.watched
         reuse_before = self.planning if self.reuse_under_copy else 0  # a copy of an earlier step: free
         for block in blocks:  # (a finished request's dozens of blocks: locals only)
             if fence and computing.get(block, 0) < fence:
@@ -192,7 +195,9 @@ class BlockPool:
                 continue
             h = hash_of[block]
             if h is not None and cached.get(h) == block:
-                self._unuse(h)
+                in_use.discard(h)  # (`_unuse`)
+                if h in watched:
+                    self.watched_in_use -= 1
             copy_fence = copying.get(block)
             if copy_fence is None or copy_fence < reuse_before:
                 self.free[block] = None
@@ -218,9 +223,17 @@ class BlockPool:
             if self.cached.setdefault(h, block) == block and self.ref_cnt[block] > 0:
                 self._use(h)
 
-    def register_all(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """`register` each block with the hash beside it, in order."""
-        deque(map(self.register, blocks, hashes), maxlen=0)
+    def register_all(self, blocks: Iterable[int], hashes: Iterable[bytes]) -> None:
+        """`register` each block with the hash beside it, in order (inlined: a rotation brings
+        back a request's every block)."""
+        hash_of, cached, ref_cnt, in_use, watched = self.hash_of, self.cached, self.ref_cnt, self.in_use, self.watched
+        for block, h in zip(blocks, hashes, strict=True):
+            if hash_of[block] is None:
+                hash_of[block] = h
+                if cached.setdefault(h, block) == block and ref_cnt[block] > 0:
+                    in_use.add(h)  # (`_use`)
+                    if h in watched:
+                        self.watched_in_use += 1
 
     def _use(self, h: bytes) -> None:
         self.in_use.add(h)
@@ -662,15 +675,21 @@ class KVCacheManager:
         if req.cpu_tail is not None:
             sources.append(req.cpu_tail)
         dests, after_compute, after_copy = self.pool.allocate_for_copy(len(sources))
-        fresh = iter(dests)
-        for i, block in enumerate(hits):
-            if block is None:
-                block = next(fresh)
-                if self.enable_prefix_caching:
-                    self.pool.register(block, hashes[i])
-            req.block_ids.append(block)
-        if req.cpu_tail is not None:
-            req.block_ids.append(next(fresh))
+        num_full = len(hits)
+        if num_full == len(sources) - (req.cpu_tail is not None):  # no hit: the common case
+            req.block_ids.extend(dests)
+            if self.enable_prefix_caching:
+                self.pool.register_all(dests[:num_full], hashes[:num_full])
+        else:
+            fresh = iter(dests)
+            for i, block in enumerate(hits):
+                if block is None:
+                    block = next(fresh)
+                    if self.enable_prefix_caching:
+                        self.pool.register(block, hashes[i])
+                req.block_ids.append(block)
+            if req.cpu_tail is not None:
+                req.block_ids.append(next(fresh))
         copies = list(zip(sources, dests, strict=True))
         after_copy = max(after_copy, _newest(sources, self.cpu.copying))
         if copies:
