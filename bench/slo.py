@@ -3,7 +3,8 @@
 Poisson arrivals (fixed seed), synthetic ShareGPT-like lengths (or --trace), fixed output length
 per request, greedy with ignore_eos, SLO 5 s / 100 ms by default. On CPU the tiny model runs for
 real on a virtual clock (reproducible; a step cost model stands for time); on a GPU the wall clock
-is used with dummy weights of a real architecture.
+is used with dummy weights of a real architecture. `--wall-clock` times a CPU run on the wall clock
+too (host time counts, as on a GPU; record tagged `wall`).
 
     python -m bench.slo                                       # CPU: tiny, small KV budget
     python -m bench.slo --device cuda --model llama-3-8b --rates 35,45,60 --duration 60 \\
@@ -53,12 +54,13 @@ def step_phases(registry: CollectorRegistry) -> dict[str, float]:
 def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: object) -> dict[str, float]:
     slo = SLO(args.ttft_slo_ms, args.tbt_slo_ms)
     cpu = args.device == "cpu"
+    virtual = cpu and not args.wall_clock
     config = EngineConfig(
         model=args.model,
         device=args.device,
         dummy_weights=not cpu,
         # On the virtual clock the device timeline stands for a GPU, whose executor schedules async.
-        async_scheduling=True if cpu else None,
+        async_scheduling=True if virtual else None,
         **variant,
         policy=policy,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -68,7 +70,7 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         ttft_slo_ms=slo.ttft_ms,
         tbt_slo_ms=slo.tbt_ms,
     )
-    core = EngineCore(config, clock=VirtualClock()) if cpu else EngineCore(config)
+    core = EngineCore(config, clock=VirtualClock()) if virtual else EngineCore(config)
     if args.trace:
         items = load_trace(args.trace, rate, slo, seed=args.seed)
     else:
@@ -83,7 +85,7 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
             max_output=args.max_output,
         )
     prompts = prompt_tokens(items, core.model_config.vocab_size, seed=args.seed)
-    timeline = DeviceTimeline(duplex=core.config.duplex, async_scheduling=core.async_scheduling) if cpu else None
+    timeline = DeviceTimeline(duplex=core.config.duplex, async_scheduling=core.async_scheduling) if virtual else None
     copies: list[CopyStats] = []
     timings, duration = replay(core, items, prompts, timeline, copies)
     report = summarize(timings, duration)
@@ -160,6 +162,11 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=1024)
     parser.add_argument("--max-output", type=int, default=8192)
     parser.add_argument(
+        "--wall-clock",
+        action="store_true",
+        help="on CPU, time on the wall clock (the model's and the host's real time count, as on a GPU)",
+    )
+    parser.add_argument(
         "--ablation", action="store_true", help="also rotary with --duplex half, serial and --no-write-through"
     )
     args = parser.parse_args()
@@ -202,7 +209,9 @@ def main() -> None:
     }
     extra = {
         "model": args.model,
-        "clock": "virtual: device timeline (bench/step_cost.py defaults, async scheduling)" if cpu else "wall",
+        "clock": "virtual: device timeline (bench/step_cost.py defaults, async scheduling)"
+        if cpu and not args.wall_clock
+        else "wall",
         "workload": {
             "rates": rates,
             "duration_s": args.duration,
@@ -213,11 +222,12 @@ def main() -> None:
             "slo_ms": [args.ttft_slo_ms, args.tbt_slo_ms],
         },
     }
+    tag = "wall" if cpu and args.wall_clock else ""
     points: dict[str, list[dict[str, float]]] = {}
     for name, policy, variant in runs:
         for rate in rates:
             points.setdefault(name, []).append(run_point(args, policy, rate, **variant))
-            path = write_result("slo", args.device, {"points": points}, goal, extra)  # kept if a later point dies
+            path = write_result("slo", args.device, {"points": points}, goal, extra, tag)  # kept if a later point dies
     figures = {"points": points}
     top = {p: pts[-1] for p, pts in points.items()}
     if "fcfs" in top and "rotary" in top:
@@ -230,7 +240,7 @@ def main() -> None:
             f"TBT {figures['top_rate_tbt_delta_points']:+.1f} points, "
             f"throughput x{figures['top_rate_throughput_ratio']:.2f}, goodput x{figures['top_rate_goodput_ratio']:.2f}"
         )
-        path = write_result("slo", args.device, figures, goal, extra)
+        path = write_result("slo", args.device, figures, goal, extra, tag)
     print(f"wrote {path}")
 
 
