@@ -406,6 +406,27 @@ def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):
     assert sum(r is not None for r in reused) > 3
 
 
+def test_the_traces_rank_many_rotary_requests_in_columns(monkeypatch):
+    """With every path in columns, the rotary policy ranks the on-time rotary requests in the
+    rotary columns, ties and all: beside lagging waiting requests, and with their blocks asked one
+    by one while some swapped-out content is in use; the plans stay the reference's."""
+    seen = []
+    real_ranked = policies._lagging_ranked
+
+    def lagging_ranked(sched: Scheduler, *args: object) -> tuple:
+        ranked, blocks, bounds, patient = real_ranked(sched, *args)
+        rotary = [r.status is RequestStatus.ROTARY for r in ranked]
+        seen.append((sum(rotary), len(ranked) - sum(rotary), blocks.count(None) - (len(ranked) - sum(rotary))))
+        return ranked, blocks, bounds, patient
+
+    monkeypatch.setattr(policies, "_lagging_ranked", lagging_ranked)
+    for seed in SEEDS[:30]:
+        run_both(seed, rows_per_vector=0)
+    assert sum(rotary > 1 for rotary, _, _ in seen) > 50
+    assert sum(rotary > 0 and waiting > 0 for rotary, waiting, _ in seen) > 10
+    assert sum(asked > 0 for _, _, asked in seen) > 3
+
+
 def test_block_hashes_chain_each_block_to_the_one_before():
     """Hashing many blocks in one call gives what hashing them one at a time gives, and a block's
     hash depends on every token before it."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from superinfer.engine.core.request import Request, RequestStatus
+from superinfer.engine.core.rotary_columns import RotaryColumns
 from superinfer.engine.core.running_batch import RunningBatch
 
 if TYPE_CHECKING:
@@ -125,15 +126,36 @@ class TBTGuard:
     residency_s: float  # how long a request may stay on the GPU while others wait their turn
 
 
-def _live_stats(
-    groups: Iterable[Iterable[Request]], headroom: float, running: RunningBatch, by_row: bool, now: float
+def _live_columns(
+    cols: RunningBatch | RotaryColumns, slots: np.ndarray, now: float, turn_share: float
 ) -> tuple[int, int, float, float]:
-    """Of the running requests and those in `groups` (not running) whose TBT SLO is not lost yet
-    (no gap between their tokens, nor the wait since their last one, past it): how many, their
-    tokens, the tightest TBT SLO (ms) and when the first of their turns ends (`headroom` x its own
-    TBT SLO after its last token; inf if none has a token). The running ones in columns
-    (`by_row`: few, one at a time), the others in one pass over their own fields: hot at
-    thousands of requests."""
+    """`_live_stats` of the requests in these slots of a running batch's or the rotary columns."""
+    tbt, num_tokens, t_last = cols.np_tbt_ms[slots], cols.np_num_tokens[slots], cols.np_t_last[slots]
+    waited = now - t_last  # NaN without a token: fmax takes the gap
+    live = np.fmax(cols.np_max_gap[slots], waited) * 1000.0 <= tbt
+    count = int(np.count_nonzero(live))
+    if not count:
+        return 0, 0, math.inf, math.inf
+    if count < len(live):
+        tbt, num_tokens, t_last = tbt[live], num_tokens[live], t_last[live]
+    turn_end = float(np.fmin.reduce(t_last + tbt * turn_share))  # fmin: past the NaNs
+    return count, int(num_tokens.sum()), float(tbt.min()), turn_end if turn_end == turn_end else math.inf
+
+
+def _live_stats(
+    groups: Iterable[Iterable[Request]],
+    headroom: float,
+    running: RunningBatch,
+    by_row: bool,
+    now: float,
+    rotary: RotaryColumns | None = None,
+) -> tuple[int, int, float, float]:
+    """Of the running requests, those in `rotary` and those in `groups` (neither) whose TBT SLO
+    is not lost yet (no gap between their tokens, nor the wait since their last one, past it):
+    how many, their tokens, the tightest TBT SLO (ms) and when the first of their turns ends
+    (`headroom` x its own TBT SLO after its last token; inf if none has a token). The running and
+    rotary ones in columns (the running by row when `by_row`: few), the others in one pass over
+    their own fields: hot at thousands of requests."""
     turn_share = headroom / 1000.0
     count = tokens = 0
     min_tbt_ms = turn_end = math.inf
@@ -150,19 +172,10 @@ def _live_stats(
             if t == t and (end := t + tbt_ms * turn_share) < turn_end:  # (NaN: no token yet)
                 turn_end = end
     else:
-        slots = running.order
-        tbt, num_tokens, t_last = running.np_tbt_ms[slots], running.np_num_tokens[slots], running.np_t_last[slots]
-        waited = now - t_last  # NaN without a token: fmax takes the gap
-        live = np.fmax(running.np_max_gap[slots], waited) * 1000.0 <= tbt
-        count = int(np.count_nonzero(live))
-        if count < len(live):
-            tbt, num_tokens, t_last = tbt[live], num_tokens[live], t_last[live]
-        tokens = int(num_tokens.sum())
-        if count:
-            min_tbt_ms = float(tbt.min())
-            turn_end = float(np.fmin.reduce(t_last + tbt * turn_share))  # fmin: past the NaNs
-            if turn_end != turn_end:  # NaN: none has a token yet
-                turn_end = math.inf
+        count, tokens, min_tbt_ms, turn_end = _live_columns(running, running.order, now, turn_share)
+    if rotary is not None:
+        n, t, least, first_end = _live_columns(rotary, np.flatnonzero(rotary.np_active), now, turn_share)
+        count, tokens, min_tbt_ms, turn_end = count + n, tokens + t, min(min_tbt_ms, least), min(turn_end, first_end)
     for group in groups:
         for r in group:
             tbt_ms = r.slo.tbt_ms
@@ -197,7 +210,11 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
         return None
     restarted = [r for r in sched.waiting if r.t_first_token is not None]
     by_row = len(sched.running) < sched.rows_per_vector
-    d, tokens, min_tbt_ms, turn_end = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch, by_row, now)
+    if len(sched.rotary_on_time) < sched.rows_per_vector:
+        live = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch, by_row, now)
+    else:
+        live = _live_stats((restarted,), headroom, sched.batch, by_row, now, sched.rotary_columns)
+    d, tokens, min_tbt_ms, turn_end = live
     if not d:
         return None
     kv = sched.kv
@@ -280,6 +297,57 @@ def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:
     return -r.priority, r._max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt
 
 
+def _lagging_ranked(
+    sched: Scheduler, p: RotaryParams, waiting: list[Request], now: float
+) -> tuple[list[Request], list[int | None], list[int | None], list[Request]]:
+    """The lagging ones of the waiting and the on-time rotary requests (VLT > 0, TBT not lost) as
+    `rank` orders them, with each one's admission blocks and copies bound where the rotary columns
+    know them (None: to be asked), and the others (patient), in list order. Many rotary requests
+    (under contention, hundreds each step) are ranked in the columns; few, one at a time."""
+    on_time = sched.rotary_on_time
+    if len(on_time) < sched.rows_per_vector:
+        lagging, patient = [], []  # (the lagging with their ranking keys, computed once)
+        for r in [*waiting, *on_time]:
+            key = _rank(now, p, r)  # (-priority, tbt_missed, -VLT)
+            if key[1] or key[2] >= 0:
+                patient.append(r)
+            else:
+                lagging.append((key, r))
+        unknown = [None] * len(lagging)
+        return [r for _, r in sorted(lagging, key=itemgetter(0))], unknown, unknown, patient
+    lagging, keys, patient = [], [], []
+    for r in waiting:
+        key = _rank(now, p, r)
+        if key[1] or key[2] >= 0:
+            patient.append(r)
+        else:
+            lagging.append(r)
+            keys.append(key)
+    cols = sched.rotary_columns
+    slots = cols.ordered()
+    tbt, t_last = cols.np_tbt_ms[slots], cols.np_t_last[slots]
+    vlt = np.where(  # virtual_lag_time of each, as `_rank` computes it
+        np.isnan(t_last),
+        np.maximum(0.0, now - cols.np_arrival[slots] - p.beta_f * cols.np_ttft_ms[slots] / 1000.0),
+        p.alpha * np.maximum(0.0, now - t_last - p.beta_b * tbt / 1000.0),
+    )
+    lags = (vlt > 0.0) & ~(cols.np_max_gap[slots] * 1000.0 > tbt)
+    patient += cols.requests[slots[~lags]].tolist()
+    lag_slots = slots[lags]
+    order = np.lexsort(  # stable: on a tie, list order (the waiting ones first)
+        (
+            np.concatenate((np.array([k[2] for k in keys], dtype=np.float64), -vlt[lags])),
+            np.concatenate((np.array([k[0] for k in keys], dtype=np.int64), -cols.np_priority[lag_slots])),
+        )
+    ).tolist()
+    everyone = [*lagging, *cols.requests[lag_slots].tolist()]
+    unknown = [None] * len(lagging)
+    exact = not sched.kv.pool.watched_in_use  # (the blocks column counts no block shared with another)
+    blocks = [*unknown, *(cols.np_blocks[lag_slots].tolist() if exact else [None] * len(lag_slots))]
+    bounds = [*unknown, *cols.np_copies[lag_slots].tolist()]
+    return [everyone[i] for i in order], [blocks[i] for i in order], [bounds[i] for i in order], patient
+
+
 class RotaryPolicy:
     name = "rotary"
     uses_cpu_tier = True
@@ -324,13 +392,7 @@ class RotaryPolicy:
         # displaces a running one (a lost request bounced in and out costs two copies per token).
         # Under overload most rotary requests are: the scheduler ranks only those that fit. (In
         # `others` order but for the lost rotary ones last: they never tie with one on time.)
-        lagging, patient = [], []  # (the lagging with their ranking keys, computed once)
-        for r in [*waiting, *sched.rotary_on_time]:
-            key = _rank(now, p, r)  # (-priority, tbt_missed, -VLT)
-            if key[1] or key[2] >= 0:
-                patient.append(r)
-            else:
-                lagging.append((key, r))
+        ranked, known_blocks, known_bounds, patient = _lagging_ranked(sched, p, waiting, now)
         patient += sched.rotary_lost
         xfer = p.transfer_budget_blocks
         left = free + xfer
@@ -345,15 +407,18 @@ class RotaryPolicy:
         def exact_left() -> int:
             return xfer - sum(map(sched.admission_copies, admit))
 
-        for _, r in sorted(lagging, key=itemgetter(0)):  # as `rank` orders them
+        for r, n, bound in zip(ranked, known_blocks, known_bounds, strict=True):
             if xfer_left <= 0 and not exact:
                 xfer_left, exact = exact_left(), True
             if left <= 0 or xfer_left <= 0:
                 break  # Prioritize is done: nothing more fits under free + B_xfer
-            n = blocks(r)
+            if n is None:
+                n = blocks(r)
             if n > left:
                 continue
-            copies = sched.admission_copies(r) if exact else sched.admission_copies_bound(r)
+            if bound is None:
+                bound = sched.admission_copies_bound(r)
+            copies = sched.admission_copies(r) if exact else bound
             if copies > xfer_left:
                 if not exact:
                     xfer_left, exact = exact_left(), True

@@ -36,6 +36,7 @@ from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from superinfer.engine.core.rotary_columns import RotaryColumns
 from superinfer.engine.core.running_batch import ROWS_PER_VECTOR, RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.engine.core.token_timing import TokenTiming
@@ -244,6 +245,7 @@ class Scheduler:
         # under overload most are, and the rotary policy only looks at the others one by one.
         self.rotary_on_time: list[Request] = []
         self.rotary_lost: list[Request] = []
+        self.rotary_columns = RotaryColumns()  # rotary_on_time's ranking fields, for the policy
         # Free GPU blocks each rotary request takes to come back while no swapped-out content is
         # in use (kv.swap_in_blocks); 0 for one whose copies may exceed the transfer budget (that
         # one goes to the exact check). Under overload most rotary requests cannot fit, each step:
@@ -709,6 +711,8 @@ class Scheduler:
                 if lost_now:
                     self._split_rotary()
         req.t_last_token = now
+        if req._rotary_slot >= 0:
+            self.rotary_columns.refresh(req)
         reason = req.stop_reason()
         if reason is not None:
             self._finish(req, reason)
@@ -949,10 +953,14 @@ class Scheduler:
         self.counters.rotations += 1
         self.counters.preempted("swap", reason)
         bisect.insort(self.rotary, req, key=_arrival)
-        bisect.insort(self.rotary_lost if req.tbt_missed else self.rotary_on_time, req, key=_arrival)
-        fits = self.kv.swap_in_copies_bound(req) <= self.config.transfer_budget_blocks
         # kv.swap_in_blocks(req, self.next_tokens(req)) while none of its content is in use
-        self._swap_in_blocks[req] = self.kv.blocks_for(req.num_scheduled_tokens) if fits else 0
+        blocks, copies = self.kv.blocks_for(req.num_scheduled_tokens), self.kv.swap_in_copies_bound(req)
+        if req.tbt_missed:
+            bisect.insort(self.rotary_lost, req, key=_arrival)
+        else:
+            bisect.insort(self.rotary_on_time, req, key=_arrival)
+            self.rotary_columns.add(req, blocks, copies)
+        self._swap_in_blocks[req] = blocks if copies <= self.config.transfer_budget_blocks else 0
         return True
 
     def _stop_running(self, req: Request) -> None:
@@ -961,13 +969,20 @@ class Scheduler:
 
     def _leave_rotary(self, req: Request) -> None:
         _remove_sorted(self.rotary, req)
-        _remove_sorted(self.rotary_lost if req in self.rotary_lost else self.rotary_on_time, req)
+        if req._rotary_slot >= 0:
+            _remove_sorted(self.rotary_on_time, req)
+            self.rotary_columns.remove(req)
+        else:
+            _remove_sorted(self.rotary_lost, req)
         del self._swap_in_blocks[req]
 
     def _split_rotary(self) -> None:
         """A rotary request lost its TBT SLO (its pending token came late): rare, so split again."""
         self.rotary_on_time = [r for r in self.rotary if not r.tbt_missed]
         self.rotary_lost = [r for r in self.rotary if r.tbt_missed]
+        kv = self.kv
+        figures = [(kv.blocks_for(r.num_scheduled_tokens), kv.swap_in_copies_bound(r)) for r in self.rotary_on_time]
+        self.rotary_columns.rebuild(self.rotary_on_time, figures)
 
     def _evict(self, req: Request, step: _Step) -> None:
         """A running request must give up its blocks (another ran out): rotate it to the CPU tier
