@@ -5,9 +5,13 @@ request fits (decode steady state), memory contention (half the requests cannot 
 rotary policy ranks, rotates and swaps every step), and churn (every request fits; each stops
 after 32-256 tokens and a new one with a new prompt takes its place before the next step, so
 each step also finishes and admits a few, ~7 at 1024 live: their prompts' and outputs' blocks
-hashed, the finished ones' blocks registered in the prefix cache).
+hashed, the finished ones' blocks registered in the prefix cache). Time is virtual: each step
+takes STEP_S (2 ms) between its plan and its update, so the rotary policy's residencies expire at
+the same steps on any machine and in any checkout (on the wall clock a slower run rotated more
+per step). Under contention most steps rotate a few requests and every ~60th a wave of ~150: the
+median is the first kind, the mean counts both.
 
-    python -m bench.sched [--live 256,1024,4096] [--steps 50] [--tag T]
+    python -m bench.sched [--live 256,1024,4096] [--steps 200] [--tag T]
     python -m bench.sched --vllm-python .venv-vllm/bin/python   # vLLM's v1 scheduler beside ours
     python -m bench.sched --against /path/to/old/checkout       # old and new, interleaved
 
@@ -62,12 +66,29 @@ def new_request(rng: random.Random, i: int, churn: bool, fewest_tokens: int = 32
     return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0), arrival_time=0.0)
 
 
-def build(policy: str, live: int, situation: str, seed: int = 0) -> tuple[Scheduler, Replacer | None]:
-    """The scheduler with `live` requests added, and with churn what makes each replacement."""
+class StepClock:
+    """Time for the scheduler: STEP_S a step, whatever this machine's speed. On the wall clock a
+    slower run let more of the rotary requests' residencies expire per step, so it rotated more
+    per step: each run did different work, and a slower checkout looked slower still."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+STEP_S = 0.002  # what a step takes on the device, between the plan and its update
+
+
+def build(policy: str, live: int, situation: str, steps: int, seed: int = 0) -> tuple[Scheduler, Replacer | None]:
+    """The scheduler with `live` requests added, and with churn what makes each replacement.
+    With `fits`, every request fits for all `steps`; under contention half of them, 64 tokens on."""
     rng = random.Random(seed)
     # (with churn the first ones end after 1 to 256 tokens: finishes from the first steps on)
     requests = [new_request(rng, i, situation == "churn", fewest_tokens=1) for i in range(live)]
-    need = sum(-(-(len(r.prompt_token_ids) + 64) // BLOCK) for r in requests)
+    grow = max(64, steps + 14) if situation == "fits" else 64
+    need = sum(-(-(len(r.prompt_token_ids) + grow) // BLOCK) for r in requests)
     if situation == "churn":
         need += 12 * live  # the longest output, 256 tokens, on top of 64
     kv = KVCacheManager(need // 2 if situation == "contention" else need + live, BLOCK, True, num_cpu_blocks=2 * need)
@@ -75,6 +96,7 @@ def build(policy: str, live: int, situation: str, seed: int = 0) -> tuple[Schedu
         SchedulerConfig(max_num_seqs=live, max_num_batched_tokens=1 << 20, max_model_len=4096),
         kv,
         make_policy(policy, num_gpu_blocks=kv.num_blocks),
+        StepClock(),
     )
     for req in requests:
         sched.add(req)
@@ -103,9 +125,12 @@ def time_steps(sched: Scheduler, steps: int, replace: Replacer | None = None) ->
     for step in range(5 + steps):  # the first 5 untimed: they prefill everything that fits
         t0 = time.perf_counter()
         plan = sched.schedule()
+        t1 = time.perf_counter()
+        sched.clock.now += STEP_S
+        t2 = time.perf_counter()
         touched = sched.update(plan, made_up_tokens(plan))
         if step >= 5:
-            seconds.append(time.perf_counter() - t0)
+            seconds.append(time.perf_counter() - t2 + t1 - t0)
             scheduled.append(plan.num_seqs)
         if replace is not None:
             for _ in range(sum(1 for r in touched if r.is_finished)):
@@ -145,6 +170,7 @@ def summary(times: list[float], scheduled: list[int]) -> dict[str, float]:
     return {
         "median_ms": 1000 * statistics.median(times),
         "p90_ms": 1000 * sorted(times)[int(0.9 * len(times))],
+        "mean_ms": 1000 * statistics.mean(times),  # (under contention: with the steps that rotate many)
         "scheduled_reqs_median": statistics.median(scheduled),
     }
 
@@ -205,7 +231,7 @@ def vllm_figures(python: str, live: str, steps: int) -> dict[str, dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--live", default="256,1024,4096")
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tag", default="", help="names a variant run's results file (sched-TAG-cpu-DATE.json)")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM: time its scheduler too")
     parser.add_argument("--against", type=Path, help="an older checkout with its own .venv: time both, interleaved")
@@ -214,7 +240,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         policy, situation, live = args.child
-        sched, replace = build(policy, int(live), situation)
+        sched, replace = build(policy, int(live), situation, args.steps)
         times, scheduled = time_steps(sched, args.steps, replace)
         print(json.dumps({"seconds": times, "scheduled": scheduled}))
         return
@@ -223,10 +249,11 @@ def main() -> None:
         figures = against(args.against.resolve(), args.live, args.steps, args.rounds)
     else:
         for policy, situation, n in situations(args.live):
-            sched, replace = build(policy, n, situation)
+            sched, replace = build(policy, n, situation, args.steps)
             f = figures[key(policy, situation, n)] = summary(*time_steps(sched, args.steps, replace))
             print(
                 f"{key(policy, situation, n):28s} median {f['median_ms']:7.2f} ms  p90 {f['p90_ms']:7.2f} ms"
+                f"  mean {f['mean_ms']:7.2f} ms"
                 f"   ({f['scheduled_reqs_median']:.0f} reqs/step)",
                 flush=True,
             )
