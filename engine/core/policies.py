@@ -227,12 +227,12 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
 
     if gap(1) > turn:
         return None
-    new = [r for r in sched.waiting if r.t_first_token is None]
+    num_new = len(sched.waiting) - len(restarted)
     allowed = 0
     # What the model predicts, and what the streaming requests feel: none starts while one of them
     # has already waited a whole turn (its own: a batch request's is longer) for its next token.
     if now < turn_end:
-        allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
+        allowed = bisect.bisect_right(range(1, num_new + 1), turn, key=lambda k: gap(d + k))
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
     b = sched.batch
@@ -363,10 +363,12 @@ class RotaryPolicy:
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting = list(sched.waiting)
         held: set[int] = set()
-        if guard is not None:  # new requests past what TBT allows wait (their VLT keeps growing)
+        if guard is not None and guard.new_requests < len(waiting):  # (else it holds none)
+            # New requests past what TBT allows wait (their VLT keeps growing).
             new = [r for r in waiting if r.t_first_token is None]  # in arrival order
             held = {id(r) for r in new[guard.new_requests :]}
-            waiting = [r for r in waiting if id(r) not in held]
+            if held:
+                waiting = [r for r in waiting if id(r) not in held]
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
