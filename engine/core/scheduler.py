@@ -359,9 +359,13 @@ class Scheduler:
             step.budget = decision.token_budget
         if decision.held:
             self.counters.guard_held_steps += 1
+        left: list[Request] = []  # (out of `running` at once: a wave rotates out hundreds)
         for req in decision.rotate_out:
-            if not self._rotate_out(req, step, "policy"):
+            if not self._rotate_out(req, step, "policy", left):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
+        if left:
+            gone = set(map(id, left))
+            self.running[:] = [r for r in self.running if id(r) not in gone]
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
@@ -937,15 +941,20 @@ class Scheduler:
                 return True
         return False
 
-    def _rotate_out(self, req: Request, step: _Step, reason: str) -> bool:
-        """Move a running decode to the CPU tier, if the tier and the transfer budget can take it."""
+    def _rotate_out(self, req: Request, step: _Step, reason: str, left: list[Request] | None = None) -> bool:
+        """Move a running decode to the CPU tier, if the tier and the transfer budget can take it
+        (with `left`, it goes there instead of out of `running`: the caller takes them all out)."""
         if step.transfer_left < self.kv.swap_out_cost(req):
             return False
         copies = self.kv.swap_out(req, step.id)
         if copies is None:
             return False
         step.swap_out_after = max(step.swap_out_after, req.last_step)
-        self._stop_running(req)
+        self.batch.remove(req)
+        if left is None:
+            self.running.remove(req)
+        else:
+            left.append(req)
         step.swap_out += copies
         step.transfer_left -= len(copies)
         req.status = RequestStatus.ROTARY
