@@ -343,6 +343,15 @@ def check_swap_in_index(s: Scheduler) -> None:
     assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
     assert s.rotary_on_time == [r for r in s.rotary if not r.tbt_missed]
     assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
+    cols = s.rotary_columns  # the on-time ones' ranking fields, current and in the same order
+    slots = cols.ordered().tolist()
+    assert [cols.requests[k] for k in slots] == s.rotary_on_time
+    for k, r in zip(slots, s.rotary_on_time, strict=True):
+        t_last = math.nan if r.t_last_token is None else r.t_last_token
+        assert (cols.max_gap[k], cols.num_tokens[k], cols.priority[k]) == (r.max_gap_s, r.num_tokens, r.priority)
+        assert cols.t_last[k] == t_last or (math.isnan(cols.t_last[k]) and math.isnan(t_last))
+        assert cols.blocks[k] == s.kv.blocks_for(r.num_scheduled_tokens)
+        assert cols.copies[k] == s.kv.swap_in_copies_bound(r)
 
 
 def check_running_batch(s: Scheduler, flush: bool = True) -> None:

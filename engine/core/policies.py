@@ -342,8 +342,8 @@ def _lagging_ranked(
     ).tolist()
     everyone = [*lagging, *cols.requests[lag_slots].tolist()]
     unknown = [None] * len(lagging)
-    exact = not sched.kv.pool.watched_in_use  # (the blocks column counts no block shared with another)
-    blocks = [*unknown, *(cols.np_blocks[lag_slots].tolist() if exact else [None] * len(lag_slots))]
+    unshared = not sched.kv.pool.watched_in_use  # (the blocks column counts no block shared with another)
+    blocks = [*unknown, *(cols.np_blocks[lag_slots].tolist() if unshared else [None] * len(lag_slots))]
     bounds = [*unknown, *cols.np_copies[lag_slots].tolist()]
     return [everyone[i] for i in order], [blocks[i] for i in order], [bounds[i] for i in order], patient
 
