@@ -40,6 +40,7 @@ from superinfer.engine.core.policies import (
     virtual_lag_time,
 )
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from superinfer.engine.core.rotary_columns import RotaryColumns
 from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.scheduler import ROWS_PER_VECTOR, Scheduler, SchedulerConfig
 from superinfer.engine.core.step_time import StepShape
@@ -529,6 +530,29 @@ def test_output_blocks_in_one_pass_copy_what_the_general_path_copies():
     assert [len(r.cpu_block_ids) for r in reqs2] == [len(r.cpu_block_ids) for r in reqs] == [4, 2, 4]
     assert all(kv2.cpu.hash_of[b] is None for r in reqs2 for b in r.cpu_block_ids[1:])
     assert kv2.cpu.copying == kv.cpu.copying and kv2.pool.copying == kv.pool.copying
+
+
+def test_rotary_columns_keep_the_rotary_lists_order_and_fields():
+    """Slots in `rotary_on_time`'s order (arrival, then the order added), freed slots reused, a
+    landed token refreshed, a rebuild in the given order."""
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(), arrival_time=t) for i, t in enumerate([2.0, 1.0, 2.0, 0.5])]
+    cols = RotaryColumns(capacity=2)  # grows on the third
+    for r in reqs:
+        cols.add(r, blocks=3, copies=2)
+    assert [cols.requests[k].request_id for k in cols.ordered().tolist()] == ["r3", "r1", "r0", "r2"]
+    cols.remove(reqs[0])
+    cols.add(reqs[0], blocks=4, copies=1)  # back later: after r2, its tie on arrival
+    assert [cols.requests[k].request_id for k in cols.ordered().tolist()] == ["r3", "r1", "r2", "r0"]
+    assert len(cols) == 4 and cols.blocks[reqs[0]._rotary_slot] == 4
+    reqs[1].token_ids.append(9)
+    reqs[1].t_last_token, reqs[1].max_gap_s = 5.0, 0.25
+    cols.refresh(reqs[1])
+    k = reqs[1]._rotary_slot
+    assert (cols.t_last[k], cols.max_gap[k], cols.num_tokens[k]) == (5.0, 0.25, 4)
+    assert math.isnan(cols.t_last[reqs[2]._rotary_slot])  # no token yet
+    cols.rebuild([reqs[2], reqs[3]], [(1, 1), (2, 2)])
+    assert [cols.requests[k].request_id for k in cols.ordered().tolist()] == ["r3", "r2"]
+    assert reqs[0]._rotary_slot == reqs[1]._rotary_slot == -1
 
 
 @pytest.mark.parametrize("distinct", [3, 20], ids=["compared", "isin"])
