@@ -693,7 +693,7 @@ class KVCacheManager:
         copies = list(zip(sources, dests, strict=True))
         after_copy = max(after_copy, _newest(sources, self.cpu.copying))
         if copies:
-            self._copying((g for _, g in copies), (c for c, _ in copies), step)
+            self._copying(dests, sources, step)
         if req.cpu_tail is not None:
             self.cpu.release([req.cpu_tail])  # quarantined: this step's copy-in reads it
             req.cpu_tail = None
