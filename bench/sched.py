@@ -67,9 +67,7 @@ def new_request(rng: random.Random, i: int, churn: bool, fewest_tokens: int = 32
 
 
 class StepClock:
-    """Time for the scheduler: STEP_S a step, whatever this machine's speed. On the wall clock a
-    slower run let more of the rotary requests' residencies expire per step, so it rotated more
-    per step: each run did different work, and a slower checkout looked slower still."""
+    """The scheduler's clock: STEP_S a step, whatever this machine's speed (module docstring)."""
 
     def __init__(self) -> None:
         self.now = 0.0
