@@ -39,8 +39,8 @@ from superinfer.engine.core.policies import (
     by_arrival,
     virtual_lag_time,
 )
+from superinfer.engine.core.ranking_columns import RankingColumns
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from superinfer.engine.core.rotary_columns import RotaryColumns
 from superinfer.engine.core.running_batch import RunningBatch
 from superinfer.engine.core.scheduler import ROWS_PER_VECTOR, Scheduler, SchedulerConfig
 from superinfer.engine.core.step_time import StepShape
@@ -344,15 +344,20 @@ def check_swap_in_index(s: Scheduler) -> None:
     assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
     assert s.rotary_on_time == [r for r in s.rotary if not r.tbt_missed]
     assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
-    cols = s.rotary_columns  # the on-time ones' ranking fields, current and in the same order
-    slots = cols.ordered().tolist()
-    assert [cols.requests[k] for k in slots] == s.rotary_on_time
-    for k, r in zip(slots, s.rotary_on_time, strict=True):
-        t_last = math.nan if r.t_last_token is None else r.t_last_token
-        assert (cols.max_gap[k], cols.num_tokens[k], cols.priority[k]) == (r.max_gap_s, r.num_tokens, r.priority)
-        assert cols.t_last[k] == t_last or (math.isnan(cols.t_last[k]) and math.isnan(t_last))
-        assert cols.blocks[k] == s.kv.blocks_for(r.num_scheduled_tokens)
-        assert cols.copies[k] == s.kv.swap_in_copies_bound(r)
+    for cols, requests, order in (
+        (s.rotary_columns, s.rotary_on_time, s.rotary_columns.in_arrival_order),
+        (s.waiting_columns, list(s.waiting), s.waiting_columns.in_queue_order),
+    ):  # the ranking fields, current and in the lists' order
+        slots = order().tolist()
+        assert [cols.requests[k] for k in slots] == requests
+        for k, r in zip(slots, requests, strict=True):
+            t_last = math.nan if r.t_last_token is None else r.t_last_token
+            assert (cols.max_gap[k], cols.num_tokens[k], cols.priority[k]) == (r.max_gap_s, r.num_tokens, r.priority)
+            assert cols.t_last[k] == t_last or (math.isnan(cols.t_last[k]) and math.isnan(t_last))
+            assert (cols.arrival[k], cols.ttft_ms[k], cols.tbt_ms[k]) == (r.arrival_time, r.slo.ttft_ms, r.slo.tbt_ms)
+            if cols is s.rotary_columns:
+                assert cols.blocks[k] == s.kv.blocks_for(r.num_scheduled_tokens)
+                assert cols.copies[k] == s.kv.swap_in_copies_bound(r)
 
 
 def check_running_batch(s: Scheduler, flush: bool = True) -> None:
@@ -416,12 +421,18 @@ def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):
     assert sum(r is not None for r in reused) > 3
 
 
-def test_the_traces_rank_many_rotary_requests_in_columns(monkeypatch):
-    """With every path in columns, the rotary policy ranks the on-time rotary requests in the
-    rotary columns, ties and all: beside lagging waiting requests, and with their blocks asked one
-    by one while some swapped-out content is in use; the plans stay the reference's."""
-    seen = []
-    real_ranked = policies._lagging_ranked
+def test_the_traces_rank_many_waiting_and_rotary_requests_in_columns(monkeypatch):
+    """With every path in columns, the rotary policy ranks the waiting and the on-time rotary
+    requests in their columns, ties and all: lagging ones of both together, with the rotary ones'
+    blocks asked one by one while some swapped-out content is in use, and with new requests held
+    back by the TBT guard; the plans stay the reference's."""
+    seen, held = [], []
+    real_ranked, real_unheld = policies._lagging_ranked, policies._unheld_waiting
+
+    def unheld_waiting(sched: Scheduler, *args: object) -> tuple:
+        waiting, slots, num_held = real_unheld(sched, *args)
+        held.append(num_held if slots is not None else 0)
+        return waiting, slots, num_held
 
     def lagging_ranked(sched: Scheduler, *args: object) -> tuple:
         ranked, blocks, bounds, patient = real_ranked(sched, *args)
@@ -430,11 +441,13 @@ def test_the_traces_rank_many_rotary_requests_in_columns(monkeypatch):
         return ranked, blocks, bounds, patient
 
     monkeypatch.setattr(policies, "_lagging_ranked", lagging_ranked)
+    monkeypatch.setattr(policies, "_unheld_waiting", unheld_waiting)
     for seed in SEEDS[:30]:
         run_both(seed, rows_per_vector=0)
     assert sum(rotary > 1 for rotary, _, _ in seen) > 50
     assert sum(rotary > 0 and waiting > 0 for rotary, waiting, _ in seen) > 10
     assert sum(asked > 0 for _, _, asked in seen) > 3
+    assert sum(n > 0 for n in held) > 10
 
 
 def test_block_hashes_chain_each_block_to_the_one_before():
@@ -532,27 +545,34 @@ def test_output_blocks_in_one_pass_copy_what_the_general_path_copies():
     assert kv2.cpu.copying == kv.cpu.copying and kv2.pool.copying == kv.pool.copying
 
 
-def test_rotary_columns_keep_the_rotary_lists_order_and_fields():
-    """Slots in `rotary_on_time`'s order (arrival, then the order added), freed slots reused, a
-    landed token refreshed, a rebuild in the given order."""
+def test_ranking_columns_keep_the_lists_order_and_fields():
+    """Slots in `rotary_on_time`'s order (arrival, then the order added) or the waiting queue's
+    (added at the front first), freed slots reused, a landed token refreshed, a rebuild in the
+    given order."""
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(), arrival_time=t) for i, t in enumerate([2.0, 1.0, 2.0, 0.5])]
-    cols = RotaryColumns(capacity=2)  # grows on the third
+    cols = RankingColumns(capacity=2)  # grows on the third
+
+    def ids(slots: np.ndarray) -> list[str]:
+        return [cols.requests[k].request_id for k in slots.tolist()]
+
     for r in reqs:
         cols.add(r, blocks=3, copies=2)
-    assert [cols.requests[k].request_id for k in cols.ordered().tolist()] == ["r3", "r1", "r0", "r2"]
+    assert ids(cols.in_arrival_order()) == ["r3", "r1", "r0", "r2"]
     cols.remove(reqs[0])
     cols.add(reqs[0], blocks=4, copies=1)  # back later: after r2, its tie on arrival
-    assert [cols.requests[k].request_id for k in cols.ordered().tolist()] == ["r3", "r1", "r2", "r0"]
-    assert len(cols) == 4 and cols.blocks[reqs[0]._rotary_slot] == 4
+    assert ids(cols.in_arrival_order()) == ["r3", "r1", "r2", "r0"]
+    assert len(cols) == 4 and cols.blocks[cols.slot_of[reqs[0]]] == 4
+    cols.remove(reqs[3])
+    cols.add(reqs[3], first=True)  # the queue's front
+    assert ids(cols.in_queue_order()) == ["r3", "r1", "r2", "r0"]
     reqs[1].token_ids.append(9)
     reqs[1].t_last_token, reqs[1].max_gap_s = 5.0, 0.25
     cols.refresh(reqs[1])
-    k = reqs[1]._rotary_slot
+    k = cols.slot_of[reqs[1]]
     assert (cols.t_last[k], cols.max_gap[k], cols.num_tokens[k]) == (5.0, 0.25, 4)
-    assert math.isnan(cols.t_last[reqs[2]._rotary_slot])  # no token yet
+    assert math.isnan(cols.t_last[cols.slot_of[reqs[2]]])  # no token yet
     cols.rebuild([reqs[2], reqs[3]], [(1, 1), (2, 2)])
-    assert [cols.requests[k].request_id for k in cols.ordered().tolist()] == ["r3", "r2"]
-    assert reqs[0]._rotary_slot == reqs[1]._rotary_slot == -1
+    assert ids(cols.in_arrival_order()) == ["r3", "r2"] and reqs[0] not in cols and reqs[1] not in cols
 
 
 @pytest.mark.parametrize("distinct", [3, 20], ids=["compared", "isin"])

@@ -19,13 +19,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import compress
 from operator import itemgetter
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from superinfer.engine.core.ranking_columns import RankingColumns
 from superinfer.engine.core.request import Request, RequestStatus
-from superinfer.engine.core.rotary_columns import RotaryColumns
 from superinfer.engine.core.running_batch import RunningBatch
 
 if TYPE_CHECKING:
@@ -127,9 +128,9 @@ class TBTGuard:
 
 
 def _live_columns(
-    cols: RunningBatch | RotaryColumns, slots: np.ndarray, now: float, turn_share: float
+    cols: RunningBatch | RankingColumns, slots: np.ndarray, now: float, turn_share: float
 ) -> tuple[int, int, float, float]:
-    """`_live_stats` of the requests in these slots of a running batch's or the rotary columns."""
+    """`_live_stats` of the requests in these slots of the running batch or of ranking columns."""
     tbt, num_tokens, t_last = cols.np_tbt_ms[slots], cols.np_num_tokens[slots], cols.np_t_last[slots]
     waited = now - t_last  # NaN without a token: fmax takes the gap
     live = np.fmax(cols.np_max_gap[slots], waited) * 1000.0 <= tbt
@@ -148,13 +149,13 @@ def _live_stats(
     running: RunningBatch,
     by_row: bool,
     now: float,
-    rotary: RotaryColumns | None = None,
+    columns: Iterable[tuple[RankingColumns, np.ndarray]] = (),
 ) -> tuple[int, int, float, float]:
-    """Of the running requests, those in `rotary` and those in `groups` (neither) whose TBT SLO
-    is not lost yet (no gap between their tokens, nor the wait since their last one, past it):
-    how many, their tokens, the tightest TBT SLO (ms) and when the first of their turns ends
-    (`headroom` x its own TBT SLO after its last token; inf if none has a token). The running and
-    rotary ones in columns (the running by row when `by_row`: few), the others in one pass over
+    """Of the running requests, those in `columns` (slots of ranking columns) and those in
+    `groups` (neither) whose TBT SLO is not lost yet (no gap between their tokens, nor the wait
+    since their last one, past it): how many, their tokens, the tightest TBT SLO (ms) and when the
+    first of their turns ends (`headroom` x its own TBT SLO after its last token; inf if none has a
+    token). The running ones in columns (by row when `by_row`: few), the groups in one pass over
     their own fields: hot at thousands of requests."""
     turn_share = headroom / 1000.0
     count = tokens = 0
@@ -173,8 +174,8 @@ def _live_stats(
                 turn_end = end
     else:
         count, tokens, min_tbt_ms, turn_end = _live_columns(running, running.order, now, turn_share)
-    if rotary is not None:
-        n, t, least, first_end = _live_columns(rotary, np.flatnonzero(rotary.np_active), now, turn_share)
+    for cols, slots in columns:
+        n, t, least, first_end = _live_columns(cols, slots, now, turn_share)
         count, tokens, min_tbt_ms, turn_end = count + n, tokens + t, min(min_tbt_ms, least), min(turn_end, first_end)
     for group in groups:
         for r in group:
@@ -208,13 +209,24 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     model = sched.step_time
     if not model.ready:
         return None
-    restarted = [r for r in sched.waiting if r.t_first_token is not None]
     by_row = len(sched.running) < sched.rows_per_vector
-    if len(sched.rotary_on_time) < sched.rows_per_vector:
-        live = _live_stats((sched.rotary_on_time, restarted), headroom, sched.batch, by_row, now)
+    groups: list[Iterable[Request]] = []
+    columns: list[tuple[RankingColumns, np.ndarray]] = []
+    if len(sched.waiting) < sched.rows_per_vector:  # those waiting again after a recompute
+        restarted = [r for r in sched.waiting if r.t_first_token is not None]
+        groups.append(restarted)
+        num_new = len(sched.waiting) - len(restarted)
     else:
-        live = _live_stats((restarted,), headroom, sched.batch, by_row, now, sched.rotary_columns)
-    d, tokens, min_tbt_ms, turn_end = live
+        waiting = sched.waiting_columns
+        slots = np.flatnonzero(waiting.np_active)
+        restarted_slots = slots[~np.isnan(waiting.np_t_last[slots])]
+        columns.append((waiting, restarted_slots))
+        num_new = len(slots) - len(restarted_slots)
+    if len(sched.rotary_on_time) < sched.rows_per_vector:
+        groups.append(sched.rotary_on_time)
+    else:
+        columns.append((sched.rotary_columns, np.flatnonzero(sched.rotary_columns.np_active)))
+    d, tokens, min_tbt_ms, turn_end = _live_stats(groups, headroom, sched.batch, by_row, now, columns)
     if not d:
         return None
     kv = sched.kv
@@ -227,7 +239,6 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
 
     if gap(1) > turn:
         return None
-    num_new = len(sched.waiting) - len(restarted)
     allowed = 0
     # What the model predicts, and what the streaming requests feel: none starts while one of them
     # has already waited a whole turn (its own: a batch request's is longer) for its next token.
@@ -297,15 +308,60 @@ def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:
     return -r.priority, r._max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt
 
 
+def _unheld_waiting(sched: Scheduler, guard: TBTGuard | None) -> tuple[list[Request], np.ndarray | None, int]:
+    """The waiting requests that may start this step, in queue order: all but the new ones past
+    the TBT guard's `new_requests` (they wait; their VLT keeps growing). Also their slots in the
+    waiting columns when they are many (None: few, looked at one by one), and how many are held."""
+    may_hold = guard is not None and guard.new_requests < len(sched.waiting)
+    if len(sched.waiting) < sched.rows_per_vector:
+        waiting = list(sched.waiting)
+        if not may_hold:
+            return waiting, None, 0
+        new = [r for r in waiting if r.t_first_token is None]  # in queue order
+        held = {id(r) for r in new[guard.new_requests :]}
+        return ([r for r in waiting if id(r) not in held] if held else waiting), None, len(held)
+    cols = sched.waiting_columns
+    slots = cols.in_queue_order()
+    num_held = 0
+    if may_hold:
+        new = np.isnan(cols.np_t_last[slots])
+        held = new & (np.cumsum(new) > guard.new_requests)
+        num_held = int(np.count_nonzero(held))
+        if num_held:
+            slots = slots[~held]
+    return cols.requests[slots].tolist(), slots, num_held
+
+
+def _keys_by_row(requests: Iterable[Request], now: float, p: RotaryParams) -> tuple[np.ndarray, ...]:
+    """Whether each request lags (VLT > 0, TBT not lost), and its -priority and -VLT (`_rank`)."""
+    keys = [_rank(now, p, r) for r in requests]
+    lags = np.array([not missed and neg_vlt < 0 for _, missed, neg_vlt in keys], dtype=bool)
+    return lags, np.array([k[0] for k in keys], dtype=np.int64), np.array([k[2] for k in keys], dtype=np.float64)
+
+
+def _keys_in_columns(cols: RankingColumns, slots: np.ndarray, now: float, p: RotaryParams) -> tuple[np.ndarray, ...]:
+    """`_keys_by_row` of the requests in these slots, as `_rank` computes them."""
+    tbt, t_last = cols.np_tbt_ms[slots], cols.np_t_last[slots]
+    vlt = np.where(
+        np.isnan(t_last),  # no token yet: its TTFT lag, else its TBT lag
+        np.maximum(0.0, now - cols.np_arrival[slots] - p.beta_f * cols.np_ttft_ms[slots] / 1000.0),
+        p.alpha * np.maximum(0.0, now - t_last - p.beta_b * tbt / 1000.0),
+    )
+    lags = (vlt > 0.0) & ~(cols.np_max_gap[slots] * 1000.0 > tbt)
+    return lags, -cols.np_priority[slots], -vlt
+
+
 def _lagging_ranked(
-    sched: Scheduler, p: RotaryParams, waiting: list[Request], now: float
+    sched: Scheduler, p: RotaryParams, waiting: list[Request], waiting_slots: np.ndarray | None, now: float
 ) -> tuple[list[Request], list[int | None], list[int | None], list[Request]]:
-    """The lagging ones of the waiting and the on-time rotary requests (VLT > 0, TBT not lost) as
-    `rank` orders them, with each one's admission blocks and copies bound where the rotary columns
-    know them (None: to be asked), and the others (patient), in list order. Many rotary requests
-    (under contention, hundreds each step) are ranked in the columns; few, one at a time."""
+    """The lagging ones of `waiting` and of the on-time rotary requests (VLT > 0, TBT not lost)
+    as `rank` orders them, with each one's admission blocks and copies bound where the rotary
+    columns know them (None: to be asked), and the others (patient), in list order (the waiting
+    first). Many (under contention, hundreds each step) are ranked in their columns; few, one at
+    a time."""
     on_time = sched.rotary_on_time
-    if len(on_time) < sched.rows_per_vector:
+    many_rotary = len(on_time) >= sched.rows_per_vector
+    if waiting_slots is None and not many_rotary:
         lagging, patient = [], []  # (the lagging with their ranking keys, computed once)
         for r in [*waiting, *on_time]:
             key = _rank(now, p, r)  # (-priority, tbt_missed, -VLT)
@@ -315,36 +371,30 @@ def _lagging_ranked(
                 lagging.append((key, r))
         unknown = [None] * len(lagging)
         return [r for _, r in sorted(lagging, key=itemgetter(0))], unknown, unknown, patient
-    lagging, keys, patient = [], [], []
-    for r in waiting:
-        key = _rank(now, p, r)
-        if key[1] or key[2] >= 0:
-            patient.append(r)
-        else:
-            lagging.append(r)
-            keys.append(key)
-    cols = sched.rotary_columns
-    slots = cols.ordered()
-    tbt, t_last = cols.np_tbt_ms[slots], cols.np_t_last[slots]
-    vlt = np.where(  # virtual_lag_time of each, as `_rank` computes it
-        np.isnan(t_last),
-        np.maximum(0.0, now - cols.np_arrival[slots] - p.beta_f * cols.np_ttft_ms[slots] / 1000.0),
-        p.alpha * np.maximum(0.0, now - t_last - p.beta_b * tbt / 1000.0),
-    )
-    lags = (vlt > 0.0) & ~(cols.np_max_gap[slots] * 1000.0 > tbt)
-    patient += cols.requests[slots[~lags]].tolist()
-    lag_slots = slots[lags]
-    order = np.lexsort(  # stable: on a tie, list order (the waiting ones first)
-        (
-            np.concatenate((np.array([k[2] for k in keys], dtype=np.float64), -vlt[lags])),
-            np.concatenate((np.array([k[0] for k in keys], dtype=np.int64), -cols.np_priority[lag_slots])),
-        )
-    ).tolist()
-    everyone = [*lagging, *cols.requests[lag_slots].tolist()]
-    unknown = [None] * len(lagging)
-    unshared = not sched.kv.pool.watched_in_use  # (the blocks column counts no block shared with another)
-    blocks = [*unknown, *(cols.np_blocks[lag_slots].tolist() if unshared else [None] * len(lag_slots))]
-    bounds = [*unknown, *cols.np_copies[lag_slots].tolist()]
+    if waiting_slots is None:
+        waiting_keys = _keys_by_row(waiting, now, p)
+    else:
+        waiting_keys = _keys_in_columns(sched.waiting_columns, waiting_slots, now, p)
+    blocks: list[int | None] = [None] * len(waiting)
+    bounds: list[int | None] = [None] * len(waiting)
+    if many_rotary:
+        cols = sched.rotary_columns
+        slots = cols.in_arrival_order()
+        rotary = cols.requests[slots].tolist()
+        rotary_keys = _keys_in_columns(cols, slots, now, p)
+        unshared = not sched.kv.pool.watched_in_use  # (the blocks column counts no block shared with another)
+        blocks += cols.np_blocks[slots].tolist() if unshared else [None] * len(rotary)
+        bounds += cols.np_copies[slots].tolist()
+    else:
+        rotary = on_time
+        rotary_keys = _keys_by_row(rotary, now, p)
+        blocks += [None] * len(rotary)
+        bounds += [None] * len(rotary)
+    everyone = [*waiting, *rotary]
+    lags, neg_priority, neg_vlt = (np.concatenate(pair) for pair in zip(waiting_keys, rotary_keys, strict=True))
+    lagging = np.flatnonzero(lags)
+    order = lagging[np.lexsort((neg_vlt[lagging], neg_priority[lagging]))].tolist()  # stable: ties in list order
+    patient = list(compress(everyone, (~lags).tolist()))
     return [everyone[i] for i in order], [blocks[i] for i in order], [bounds[i] for i in order], patient
 
 
@@ -361,19 +411,12 @@ class RotaryPolicy:
         if not sched.waiting and not sched.rotary and not _prefilling(sched.batch, by_row):
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
-        waiting = list(sched.waiting)
-        held: set[int] = set()
-        if guard is not None and guard.new_requests < len(waiting):  # (else it holds none)
-            # New requests past what TBT allows wait (their VLT keeps growing).
-            new = [r for r in waiting if r.t_first_token is None]  # in arrival order
-            held = {id(r) for r in new[guard.new_requests :]}
-            if held:
-                waiting = [r for r in waiting if id(r) not in held]
+        waiting, waiting_slots, held = _unheld_waiting(sched, guard)
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
         if not others:
-            return Decision(token_budget=budget, held=len(held))  # nothing to admit: no contention
+            return Decision(token_budget=budget, held=held)  # nothing to admit: no contention
         free = kv.num_free_blocks - _growth_blocks(sched, by_row)
         taken: dict[str, int] = {}
 
@@ -388,13 +431,13 @@ class RotaryPolicy:
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
-            return Decision(admit=by_arrival(others), token_budget=budget, held=len(held))
+            return Decision(admit=by_arrival(others), token_budget=budget, held=held)
 
         # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
         # displaces a running one (a lost request bounced in and out costs two copies per token).
         # Under overload most rotary requests are: the scheduler ranks only those that fit. (In
         # `others` order but for the lost rotary ones last: they never tie with one on time.)
-        ranked, known_blocks, known_bounds, patient = _lagging_ranked(sched, p, waiting, now)
+        ranked, known_blocks, known_bounds, patient = _lagging_ranked(sched, p, waiting, waiting_slots, now)
         patient += sched.rotary_lost
         xfer = p.transfer_budget_blocks
         left = free + xfer
@@ -441,7 +484,7 @@ class RotaryPolicy:
                 if self._may_rotate_out(sched, r, now, residency):
                     rotate_out.append(r)
                     to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit, strict_order=False, token_budget=budget, patient=patient, held=len(held))
+        return Decision(rotate_out, admit, strict_order=False, token_budget=budget, patient=patient, held=held)
 
     @staticmethod
     def _may_rotate_out(sched: Scheduler, req: Request, now: float, residency_s: float) -> bool:

@@ -113,7 +113,6 @@ class Request:
     _max_gap_s: float = field(default=0.0, init=False, repr=False)
     _batch: RunningBatch | None = field(default=None, init=False, repr=False)  # while it runs
     _slot: int = field(default=-1, init=False, repr=False)
-    _rotary_slot: int = field(default=-1, init=False, repr=False)  # in RotaryColumns while rotary on time
     block_ids: list[int] = field(default_factory=list)  # GPU block table; plans share it, so it is replaced, not grown
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
     decoded_blocks: int = 0  # its first blocks its completed decode rows wrote (KVCacheManager.filled)

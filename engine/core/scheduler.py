@@ -35,8 +35,8 @@ import numpy as np
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy
+from superinfer.engine.core.ranking_columns import RankingColumns
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from superinfer.engine.core.rotary_columns import RotaryColumns
 from superinfer.engine.core.running_batch import ROWS_PER_VECTOR, RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.engine.core.token_timing import TokenTiming
@@ -245,7 +245,9 @@ class Scheduler:
         # under overload most are, and the rotary policy only looks at the others one by one.
         self.rotary_on_time: list[Request] = []
         self.rotary_lost: list[Request] = []
-        self.rotary_columns = RotaryColumns()  # rotary_on_time's ranking fields, for the policy
+        # What the rotary policy ranks them by, in columns: `waiting`'s and `rotary_on_time`'s.
+        self.waiting_columns = RankingColumns()
+        self.rotary_columns = RankingColumns()
         # Free GPU blocks each rotary request takes to come back while no swapped-out content is
         # in use (kv.swap_in_blocks); 0 for one whose copies may exceed the transfer budget (that
         # one goes to the exact check). Under overload most rotary requests cannot fit, each step:
@@ -266,6 +268,7 @@ class Scheduler:
         req.length_limit = min(req.length_limit, self.config.max_model_len)
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.waiting_columns.add(req)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Reject what could never finish: past the context length, or larger than the pool."""
@@ -635,6 +638,7 @@ class Scheduler:
                         return
                     continue
                 self.waiting.remove(req)
+                self.waiting_columns.remove(req)
                 req.num_computed_tokens = num_cached
                 if req.t_scheduled is None:
                     req.t_scheduled = step.now
@@ -715,7 +719,9 @@ class Scheduler:
                 if lost_now:
                     self._split_rotary()
         req.t_last_token = now
-        if req._rotary_slot >= 0:
+        if req.status is RequestStatus.WAITING:
+            self.waiting_columns.refresh(req)
+        elif req in self.rotary_columns:
             self.rotary_columns.refresh(req)
         reason = req.stop_reason()
         if reason is not None:
@@ -978,7 +984,7 @@ class Scheduler:
 
     def _leave_rotary(self, req: Request) -> None:
         _remove_sorted(self.rotary, req)
-        if req._rotary_slot >= 0:
+        if req in self.rotary_columns:
             _remove_sorted(self.rotary_on_time, req)
             self.rotary_columns.remove(req)
         else:
@@ -1013,12 +1019,14 @@ class Scheduler:
         req.num_preemptions += 1
         self.counters.preempted("recompute", reason)
         self.waiting.appendleft(req)
+        self.waiting_columns.add(req, first=True)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
             self._stop_running(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            self.waiting_columns.remove(req)
         elif req.status is RequestStatus.ROTARY:
             self._leave_rotary(req)
         self.kv.free(req)
