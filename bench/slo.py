@@ -127,7 +127,8 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
         f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)  "
         f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}  "
         f"graph steps {report['graph_step_share']:.0%} of {len(copies)}  guard held/capped "
-        f"{report['guard_held_step_share']:.0%}/{report['guard_capped_step_share']:.0%} of steps, step model off by "
+        f"{report['guard_held_step_share']:.0%} (overdue {report['guard_overdue_step_share']:.0%})/"
+        f"{report['guard_capped_step_share']:.0%} of steps, step model off by "
         f"{report['step_model_error']:.0%}; ms a step: {phases}",
         flush=True,
     )

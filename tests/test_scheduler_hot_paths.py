@@ -74,12 +74,15 @@ def reference_tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGua
         return None
     new = [r for r in sched.waiting if r.t_first_token is None]
     allowed = 0
-    if all(now < r.t_last_token + r.slo.tbt_ms * (headroom / 1000.0) for r in live if r.t_last_token is not None):
+    overdue = not all(
+        now < r.t_last_token + r.slo.tbt_ms * (headroom / 1000.0) for r in live if r.t_last_token is not None
+    )
+    if not overdue:
         allowed = bisect.bisect_right(range(1, len(new) + 1), turn, key=lambda k: gap(d + k))
     step_s = turn * min(d, fit) / d
     budget = model.tokens_within(step_s, sum(r.num_tokens for r in sched.running))
     residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
-    return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
+    return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency, overdue)
 
 
 class ReferenceRotaryPolicy(RotaryPolicy):
@@ -92,6 +95,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
             new = [r for r in waiting if r.t_first_token is None]
             held = {id(r) for r in new[guard.new_requests :]}
             waiting = [r for r in waiting if id(r) not in held]
+        overdue = bool(held) and guard is not None and guard.overdue
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *by_arrival(sched.rotary)]
@@ -109,7 +113,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
             if total > free:
                 break
         else:
-            return Decision(admit=by_arrival(others), token_budget=budget, held=len(held))
+            return Decision(admit=by_arrival(others), token_budget=budget, held=len(held), held_overdue=overdue)
 
         vlt = {r.request_id: virtual_lag_time(r, now, p) for r in [*sched.running, *others]}
         ranked = sorted([*sched.running, *others], key=lambda r: (-r.priority, r.tbt_missed, -vlt[r.request_id]))
@@ -137,7 +141,9 @@ class ReferenceRotaryPolicy(RotaryPolicy):
             if self._may_rotate_out(sched, r, now, residency):
                 rotate_out.append(r)
                 to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit + patient, strict_order=False, token_budget=budget, held=len(held))
+        return Decision(
+            rotate_out, admit + patient, strict_order=False, token_budget=budget, held=len(held), held_overdue=overdue
+        )
 
 
 # --- the same random trace through both ------------------------------------------------------
@@ -391,7 +397,8 @@ def test_hot_paths_plan_what_the_reference_plans(seed, rows_per_vector):
 
 
 def test_the_traces_reach_the_paths_that_matter(monkeypatch):
-    """Rotation, preemption by recompute and TBT-guarded steps all happen in these traces."""
+    """Rotation, preemption by recompute and TBT-guarded steps (some holding new requests as a
+    streaming one waited its whole turn) all happen in these traces."""
     guards = []
     real_guard = policies.tbt_guard
     monkeypatch.setattr(policies, "tbt_guard", lambda *args: guards.append(real_guard(*args)) or guards[-1])
@@ -407,6 +414,7 @@ def test_the_traces_reach_the_paths_that_matter(monkeypatch):
     assert sum(s.counters.rotations for s in schedulers) > 50
     assert sum(s.counters.preemptions["recompute"] for s in schedulers) > 20
     assert sum(g is not None for g in guards) > 100
+    assert sum(s.counters.guard_overdue_steps for s in schedulers) >= 3  # held as a token came late
     assert copy_outs.count(True) >= 3 and copy_outs.count(False) >= 3
 
 

@@ -80,6 +80,7 @@ def test_guard_holds_new_requests_that_would_break_the_streaming_ones_tbt():
     assert [r.request_id for r in s.waiting] == ["new3", "new4", "new5"], "the rest wait, in order"
     # The benchmarks' view of it: one step held new requests back; its cut budget was not all spent.
     assert (s.counters.guard_held_steps, s.counters.guard_capped_steps) == (1, 0)
+    assert s.counters.guard_overdue_steps == 0 and not guard.overdue  # the model held them, not a late token
     figures = s.guard_figures()
     assert figures["guard_held_step_share"] == pytest.approx(1 / 3)  # of the three steps so far
     assert figures["step_model_ms"] == pytest.approx(10.0, rel=1e-3)
@@ -94,9 +95,11 @@ def test_a_request_waits_its_own_turn_not_the_tightest_slo_s():
     batch, interactive = s.requests["live0"], s.requests["live1"]
     clock.now = interactive.t_last_token + 0.05
     batch.t_last_token = clock.now - 0.2
-    assert tbt_guard(s, clock.now, 0.8).new_requests == 6
+    guard = tbt_guard(s, clock.now, 0.8)
+    assert guard.new_requests == 6 and not guard.overdue
     interactive.t_last_token = clock.now - 0.09  # past its own 80 ms turn
-    assert tbt_guard(s, clock.now, 0.8).new_requests == 0
+    guard = tbt_guard(s, clock.now, 0.8)
+    assert guard.new_requests == 0 and guard.overdue
 
 
 def test_a_request_whose_wait_already_broke_its_tbt_holds_nobody_up():

@@ -40,6 +40,7 @@ class Decision:
     strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
     token_budget: int | None = None  # a tighter token budget for this step than the configured one
     held: int = 0  # new requests the TBT guard kept out of this step's admission (TBTGuard.new_requests)
+    held_overdue: bool = False  # ... all of them, as a streaming request had waited its whole turn
     # Admitted after `admit` into what is left, best first by the policy's `rank`, each skipped if
     # it does not fit (never in strict order): the scheduler ranks only those that may fit.
     patient: list[Request] = field(default_factory=list)
@@ -125,6 +126,7 @@ class TBTGuard:
     new_requests: int  # requests that may start (their first prefill) without breaking it
     token_budget: int  # tokens the step may compute
     residency_s: float  # how long a request may stay on the GPU while others wait their turn
+    overdue: bool = False  # a streaming request has waited its whole turn: no new request starts
 
 
 def _live_columns(
@@ -242,7 +244,8 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     allowed = 0
     # What the model predicts, and what the streaming requests feel: none starts while one of them
     # has already waited a whole turn (its own: a batch request's is longer) for its next token.
-    if now < turn_end:
+    overdue = now >= turn_end
+    if not overdue:
         allowed = bisect.bisect_right(range(1, num_new + 1), turn, key=lambda k: gap(d + k))
     # Rotating, a request waits D / n steps for its turn: each step gets that share of the turn.
     step_s = turn * min(d, fit) / d
@@ -250,7 +253,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     context = sum(map(b.num_tokens.__getitem__, b.order.tolist())) if by_row else int(b.np_num_tokens[b.order].sum())
     budget = model.tokens_within(step_s, context)
     residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
-    return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency)
+    return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency, overdue)
 
 
 # Each of these reads the running batch's columns: one row at a time below `rows_per_vector` rows
@@ -412,11 +415,12 @@ class RotaryPolicy:
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting, waiting_slots, held = _unheld_waiting(sched, guard)
+        overdue = held > 0 and guard is not None and guard.overdue
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
         if not others:
-            return Decision(token_budget=budget, held=held)  # nothing to admit: no contention
+            return Decision(token_budget=budget, held=held, held_overdue=overdue)  # nothing to admit: no contention
         free = kv.num_free_blocks - _growth_blocks(sched, by_row)
         taken: dict[str, int] = {}
 
@@ -431,7 +435,7 @@ class RotaryPolicy:
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
-            return Decision(admit=by_arrival(others), token_budget=budget, held=held)
+            return Decision(admit=by_arrival(others), token_budget=budget, held=held, held_overdue=overdue)
 
         # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
         # displaces a running one (a lost request bounced in and out costs two copies per token).
@@ -484,7 +488,9 @@ class RotaryPolicy:
                 if self._may_rotate_out(sched, r, now, residency):
                     rotate_out.append(r)
                     to_free -= kv.owned_blocks(r)
-        return Decision(rotate_out, admit, strict_order=False, token_budget=budget, patient=patient, held=held)
+        return Decision(
+            rotate_out, admit, strict_order=False, token_budget=budget, patient=patient, held=held, held_overdue=overdue
+        )
 
     @staticmethod
     def _may_rotate_out(sched: Scheduler, req: Request, now: float, residency_s: float) -> bool:

@@ -94,6 +94,7 @@ class SchedulerCounters:
     # What the TBT guard (policies.tbt_guard) did: steps in which it kept new requests out of
     # admission, and steps that spent a token budget it had cut below the configured one.
     guard_held_steps: int = 0
+    guard_overdue_steps: int = 0  # (of those, steps it held them all as a request had waited its turn)
     guard_capped_steps: int = 0
 
     @property
@@ -307,13 +308,15 @@ class Scheduler:
 
     def guard_figures(self) -> dict[str, float]:
         """For the benchmarks' reports: the share of steps in which the TBT guard kept new requests
-        out or cut the token budget, and the step-time model it judges by (its coefficients,
-        its mean error against the measured steps)."""
+        out (of those, all because a streaming request had waited its whole turn, rather than the
+        step-time model's prediction) or cut the token budget, and the step-time model it judges
+        by (its coefficients, its mean error against the measured steps)."""
         steps = max(1, self._step_id)
         model = self.step_time
         base, per_token, per_kctx = model.coefficients() if model.ready else (math.nan,) * 3
         return {
             "guard_held_step_share": self.counters.guard_held_steps / steps,
+            "guard_overdue_step_share": self.counters.guard_overdue_steps / steps,
             "guard_capped_step_share": self.counters.guard_capped_steps / steps,
             "step_model_ms": base * 1000.0,
             "step_model_ms_per_token": per_token * 1000.0,
@@ -362,6 +365,7 @@ class Scheduler:
             step.budget = decision.token_budget
         if decision.held:
             self.counters.guard_held_steps += 1
+            self.counters.guard_overdue_steps += decision.held_overdue
         left: list[Request] = []  # (out of `running` at once: a wave rotates out hundreds)
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy", left):
