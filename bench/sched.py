@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from superinfer.bench.record import write_result
+from superinfer.bench.replay import VirtualClock
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import make_policy
@@ -66,16 +67,6 @@ def new_request(rng: random.Random, i: int, churn: bool, fewest_tokens: int = 32
     return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0), arrival_time=0.0)
 
 
-class StepClock:
-    """The scheduler's clock: STEP_S a step, whatever this machine's speed (module docstring)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 STEP_S = 0.002  # what a step takes on the device, between the plan and its update
 
 
@@ -94,7 +85,7 @@ def build(policy: str, live: int, situation: str, steps: int, seed: int = 0) -> 
         SchedulerConfig(max_num_seqs=live, max_num_batched_tokens=1 << 20, max_model_len=4096),
         kv,
         make_policy(policy, num_gpu_blocks=kv.num_blocks),
-        StepClock(),
+        VirtualClock(),  # STEP_S a step, whatever this machine's speed (module docstring)
     )
     for req in requests:
         sched.add(req)

@@ -725,7 +725,7 @@ class Scheduler:
         req.t_last_token = now
         if req.status is RequestStatus.WAITING:
             self.waiting_columns.refresh(req)
-        elif req in self.rotary_columns:
+        elif req.status is RequestStatus.ROTARY and req in self.rotary_columns:
             self.rotary_columns.refresh(req)
         reason = req.stop_reason()
         if reason is not None:
@@ -953,18 +953,14 @@ class Scheduler:
 
     def _rotate_out(self, req: Request, step: _Step, reason: str, left: list[Request] | None = None) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it
-        (with `left`, it goes there instead of out of `running`: the caller takes them all out)."""
+        (`left`: see _stop_running)."""
         if step.transfer_left < self.kv.swap_out_cost(req):
             return False
         copies = self.kv.swap_out(req, step.id)
         if copies is None:
             return False
         step.swap_out_after = max(step.swap_out_after, req.last_step)
-        self.batch.remove(req)
-        if left is None:
-            self.running.remove(req)
-        else:
-            left.append(req)
+        self._stop_running(req, left)
         step.swap_out += copies
         step.transfer_left -= len(copies)
         req.status = RequestStatus.ROTARY
@@ -972,8 +968,7 @@ class Scheduler:
         self.counters.rotations += 1
         self.counters.preempted("swap", reason)
         bisect.insort(self.rotary, req, key=_arrival)
-        # kv.swap_in_blocks(req, self.next_tokens(req)) while none of its content is in use
-        blocks, copies = self.kv.blocks_for(req.num_scheduled_tokens), self.kv.swap_in_copies_bound(req)
+        blocks, copies = self._rotary_figures(req)
         if req.tbt_missed:
             bisect.insort(self.rotary_lost, req, key=_arrival)
         else:
@@ -982,9 +977,19 @@ class Scheduler:
         self._swap_in_blocks[req] = blocks if copies <= self.config.transfer_budget_blocks else 0
         return True
 
-    def _stop_running(self, req: Request) -> None:
-        self.running.remove(req)
+    def _rotary_figures(self, req: Request) -> tuple[int, int]:
+        """A rotary request's blocks to come back while none of its content is in use
+        (kv.swap_in_blocks for its next tokens) and the bound on its copies in."""
+        return self.kv.blocks_for(req.num_scheduled_tokens), self.kv.swap_in_copies_bound(req)
+
+    def _stop_running(self, req: Request, left: list[Request] | None = None) -> None:
+        """Out of the running batch and list (with `left`, into it instead of out of the list: the
+        caller takes them all out at once)."""
         self.batch.remove(req)
+        if left is None:
+            self.running.remove(req)
+        else:
+            left.append(req)
 
     def _leave_rotary(self, req: Request) -> None:
         _remove_sorted(self.rotary, req)
@@ -999,9 +1004,7 @@ class Scheduler:
         """A rotary request lost its TBT SLO (its pending token came late): rare, so split again."""
         self.rotary_on_time = [r for r in self.rotary if not r.tbt_missed]
         self.rotary_lost = [r for r in self.rotary if r.tbt_missed]
-        kv = self.kv
-        figures = [(kv.blocks_for(r.num_scheduled_tokens), kv.swap_in_copies_bound(r)) for r in self.rotary_on_time]
-        self.rotary_columns.rebuild(self.rotary_on_time, figures)
+        self.rotary_columns.rebuild(self.rotary_on_time, map(self._rotary_figures, self.rotary_on_time))
 
     def _evict(self, req: Request, step: _Step) -> None:
         """A running request must give up its blocks (another ran out): rotate it to the CPU tier
