@@ -364,6 +364,10 @@ class ReferenceScheduler:
                 total += n
         if len(order) > 1 and total > min(step.transfer_left, self.kv.cpu.num_free):
             order = self.policy.rotation_order(order, step.now)
+        else:  # all fit: output blocks first, then those with prompt blocks (only block ids differ)
+            bs = self.kv.block_size
+            prompt = [r for r in order if len(r.cpu_block_ids) < len(r.prompt_token_ids) // bs]
+            order = [r for r in order if r not in prompt] + prompt
         for req in order:
             if step.transfer_left <= 0:
                 break

@@ -429,11 +429,66 @@ def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):
     assert sum(r is not None for r in reused) > 3
 
 
+def watch_scans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """For each vector scan from now on: the rows it evicted, and whether one was its last row."""
+    scans = []
+    real_rows = scheduler.Scheduler._decode_rows
+
+    def decode_rows(self: Scheduler, slots: np.ndarray, *args: object) -> None:
+        evicted = args[-2]
+        scans.append((len(evicted), len(slots) - 1 in evicted))
+        real_rows(self, slots, *args)
+
+    monkeypatch.setattr(scheduler.Scheduler, "_decode_rows", decode_rows)
+    return scans
+
+
+def test_the_traces_evict_within_a_scan_and_scan_on(monkeypatch):
+    """A row that finds no free block and is itself the policy's victim is evicted within the
+    vector scan, which goes on after it (sometimes past the last row): the traces get there, and
+    plan as the reference."""
+    scans = watch_scans(monkeypatch)
+    for seed in SEEDS[:15]:
+        run_both(seed, rows_per_vector=0)
+    assert sum(n > 0 for n, _ in scans) > 20
+    assert any(last for _, last in scans)
+
+
+def test_a_scan_evicts_row_after_row_as_the_reference_does(monkeypatch):
+    """Requests admitted together all begin a block in the same step with none free: the rotary
+    policy's victim is each time the row that found none (the longest running; the first on a
+    tie), whose full block, written through already, frees one (its tail is being copied out):
+    the next row takes it and the one after is evicted, and so on. One scan evicts every other
+    row, and plans what the reference plans, step after step."""
+    scans = watch_scans(monkeypatch)
+    bs, n = 4, 12
+    config = SchedulerConfig(64, 512, 256, 2400)
+    both = [
+        cls(config, KVCacheManager(2 * n, bs, True, 400), policy, Clock())
+        for cls, policy in zip((Scheduler, ReferenceScheduler), policy_pair("rotary", 2 * n, 2400), strict=True)
+    ]
+    both[0].rows_per_vector = 0
+    for s in both:
+        for k in range(n):
+            prompt = [3 + k, 4, 5, 6, 7]  # two blocks each: the pool is full
+            s.add(Request(f"q{k}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), 0.0))
+    for _ in range(6):
+        plans = [s.schedule() for s in both]
+        assert plan_digest(plans[0]) == plan_digest(plans[1])
+        for s in both:
+            s.clock.now += 0.01
+        both[0].update(plans[0], [7] * plans[0].num_sampled)
+        both[1].update(plans[1], dict.fromkeys(plans[1].sampled_ids(), 7))
+        assert state_digest(both[0]) == state_digest(both[1])
+    assert (n // 2, False) in scans
+
+
 def test_the_traces_rank_many_waiting_and_rotary_requests_in_columns(monkeypatch):
     """With every path in columns, the rotary policy ranks the waiting and the on-time rotary
     requests in their columns, ties and all: lagging ones of both together, with the rotary ones'
     blocks asked one by one while some swapped-out content is in use, and with new requests held
-    back by the TBT guard; the plans stay the reference's."""
+    back by the TBT guard; the first ranked ones that fit are admitted at once; the plans stay the
+    reference's."""
     seen, held = [], []
     real_ranked, real_unheld = policies._lagging_ranked, policies._unheld_waiting
 
@@ -445,13 +500,22 @@ def test_the_traces_rank_many_waiting_and_rotary_requests_in_columns(monkeypatch
     def lagging_ranked(sched: Scheduler, *args: object) -> tuple:
         ranked, blocks, bounds, patient = real_ranked(sched, *args)
         rotary = [r.status is RequestStatus.ROTARY for r in ranked]
-        seen.append((sum(rotary), len(ranked) - sum(rotary), blocks.count(None) - (len(ranked) - sum(rotary))))
+        num_waiting = len(ranked) - sum(rotary)
+        seen.append((sum(rotary), num_waiting, int(np.count_nonzero(blocks < 0)) - num_waiting))
         return ranked, blocks, bounds, patient
+
+    at_once, real_at_once = [], policies._admitted_at_once
+
+    def admitted_at_once(blocks: np.ndarray, *args: int) -> int:
+        at_once.append((real_at_once(blocks, *args), len(blocks)))
+        return at_once[-1][0]
 
     monkeypatch.setattr(policies, "_lagging_ranked", lagging_ranked)
     monkeypatch.setattr(policies, "_unheld_waiting", unheld_waiting)
+    monkeypatch.setattr(policies, "_admitted_at_once", admitted_at_once)
     for seed in SEEDS[:30]:
         run_both(seed, rows_per_vector=0)
+    assert sum(0 < first < ranked for first, ranked in at_once) > 10  # some at once, the rest in the loop
     assert sum(rotary > 1 for rotary, _, _ in seen) > 50
     assert sum(rotary > 0 and waiting > 0 for rotary, waiting, _ in seen) > 10
     assert sum(asked > 0 for _, _, asked in seen) > 3

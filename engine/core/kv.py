@@ -92,6 +92,7 @@ class BlockPool:
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
         self.copying: dict[int, int] = {}  # block -> the newest unfinished step with a copy from or to it
         self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
+        self.newest_fence = 0  # the newest step in `copying` or `computing`
         self.completed = 0  # every step up to this one is done
         self.copy_fence_taken = 0  # the newest unfinished copy touching a block `allocate` handed out
         self.planning = 0  # the step being planned
@@ -176,6 +177,7 @@ class BlockPool:
     def copied(self, blocks: Iterable[int], step: int) -> None:
         """A copy in `step` reads or writes these blocks: releasing them waits for the step."""
         self.copying.update(dict.fromkeys(blocks, step))
+        self.newest_fence = max(self.newest_fence, step)
 
     def release(self, blocks: Iterable[int], computed_in: int = 0) -> None:
         """Drop one reference to each block, held by a request last computed in step
@@ -185,6 +187,8 @@ class BlockPool:
         ref_cnt, hash_of, cached = self.ref_cnt, self.hash_of, self.cached
         copying, computing, in_use, watched = self.copying, self.computing, self.in_use, self.watched
         reuse_before = self.planning if self.reuse_under_copy else 0  # a copy of an earlier step: free
+        if fence > self.newest_fence:
+            self.newest_fence = fence
         for block in blocks:  # (a finished request's dozens of blocks: locals only)
             if fence and computing.get(block, 0) < fence:
                 computing[block] = fence
@@ -207,6 +211,11 @@ class BlockPool:
     def retire(self, completed_step: int) -> None:
         """Steps up to `completed_step` are done: their copies are over, their quarantine is free."""
         self.completed = max(self.completed, completed_step)
+        if completed_step >= self.newest_fence:  # no step in flight: every fence is past
+            self.copying, self.computing = {}, {}
+            self.free.update(dict.fromkeys(self.held))
+            self.held.clear()
+            return
         if self.copying:
             self.copying = {b: step for b, step in self.copying.items() if step > completed_step}
         if self.computing:
@@ -574,15 +583,23 @@ class KVCacheManager:
             prompt_full = len(req.prompt_token_ids) // bs
             own = self.update_hashes(req) if prompt_full > first else []
             block_ids, before = req.block_ids, len(hashes)
-            for i in range(first, full):
-                h = own[i] if i < prompt_full else None
-                if h is not None and (h in seen or h in cached):
+            for i in range(first, min(full, prompt_full)):
+                h = own[i]
+                if h in seen or h in cached:
                     return None
                 if len(hashes) >= limit or block_ids[i] in copying:
                     break
-                if h is not None:
-                    seen.add(h)
+                seen.add(h)
                 hashes.append(h)
+            else:  # its output blocks (no hash, no lookup), at once
+                start = max(first, prompt_full)
+                n = max(0, min(full - start, limit - len(hashes)))
+                if copying:
+                    k = 0
+                    while k < n and block_ids[start + k] not in copying:
+                        k += 1
+                    n = k
+                hashes += repeat(None, n)
             if len(hashes) > before:
                 planned.append((req, first, len(hashes) - before))
         return planned, hashes

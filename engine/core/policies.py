@@ -19,7 +19,6 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import compress
 from operator import itemgetter
 from typing import TYPE_CHECKING, Protocol
 
@@ -356,10 +355,10 @@ def _keys_in_columns(cols: RankingColumns, slots: np.ndarray, now: float, p: Rot
 
 def _lagging_ranked(
     sched: Scheduler, p: RotaryParams, waiting: list[Request], waiting_slots: np.ndarray | None, now: float
-) -> tuple[list[Request], list[int | None], list[int | None], list[Request]]:
+) -> tuple[list[Request], np.ndarray, np.ndarray, list[Request]]:
     """The lagging ones of `waiting` and of the on-time rotary requests (VLT > 0, TBT not lost)
     as `rank` orders them, with each one's admission blocks and copies bound where the rotary
-    columns know them (None: to be asked), and the others (patient), in list order (the waiting
+    columns know them (-1: to be asked), and the others (patient), in list order (the waiting
     first). Many (under contention, hundreds each step) are ranked in their columns; few, one at
     a time."""
     on_time = sched.rotary_on_time
@@ -372,33 +371,48 @@ def _lagging_ranked(
                 patient.append(r)
             else:
                 lagging.append((key, r))
-        unknown = [None] * len(lagging)
+        unknown = np.full(len(lagging), -1, dtype=np.int64)
         return [r for _, r in sorted(lagging, key=itemgetter(0))], unknown, unknown, patient
     if waiting_slots is None:
         waiting_keys = _keys_by_row(waiting, now, p)
+        waiting_requests = np.empty(len(waiting), dtype=object)
+        waiting_requests[:] = waiting
     else:
         waiting_keys = _keys_in_columns(sched.waiting_columns, waiting_slots, now, p)
-    blocks: list[int | None] = [None] * len(waiting)
-    bounds: list[int | None] = [None] * len(waiting)
+        waiting_requests = sched.waiting_columns.requests[waiting_slots]
+    unknown = np.full(len(waiting), -1, dtype=np.int64)
     if many_rotary:
         cols = sched.rotary_columns
         slots = cols.in_arrival_order()
-        rotary = cols.requests[slots].tolist()
+        rotary = cols.requests[slots]
         rotary_keys = _keys_in_columns(cols, slots, now, p)
         unshared = not sched.kv.pool.watched_in_use  # (the blocks column counts no block shared with another)
-        blocks += cols.np_blocks[slots].tolist() if unshared else [None] * len(rotary)
-        bounds += cols.np_copies[slots].tolist()
+        rotary_blocks = cols.np_blocks[slots] if unshared else np.full(len(slots), -1, dtype=np.int64)
+        rotary_bounds = cols.np_copies[slots]
     else:
-        rotary = on_time
-        rotary_keys = _keys_by_row(rotary, now, p)
-        blocks += [None] * len(rotary)
-        bounds += [None] * len(rotary)
-    everyone = [*waiting, *rotary]
+        rotary = np.empty(len(on_time), dtype=object)
+        rotary[:] = on_time
+        rotary_keys = _keys_by_row(on_time, now, p)
+        rotary_blocks = rotary_bounds = np.full(len(on_time), -1, dtype=np.int64)
+    everyone = np.concatenate((waiting_requests, rotary))
     lags, neg_priority, neg_vlt = (np.concatenate(pair) for pair in zip(waiting_keys, rotary_keys, strict=True))
     lagging = np.flatnonzero(lags)
-    order = lagging[np.lexsort((neg_vlt[lagging], neg_priority[lagging]))].tolist()  # stable: ties in list order
-    patient = list(compress(everyone, (~lags).tolist()))
-    return [everyone[i] for i in order], [blocks[i] for i in order], [bounds[i] for i in order], patient
+    order = lagging[np.lexsort((neg_vlt[lagging], neg_priority[lagging]))]  # stable: ties in list order
+    blocks, bounds = np.concatenate((unknown, rotary_blocks)), np.concatenate((unknown, rotary_bounds))
+    return everyone[order].tolist(), blocks[order], bounds[order], everyone[~lags].tolist()
+
+
+def _admitted_at_once(blocks: np.ndarray, bounds: np.ndarray, left: int, xfer_left: int) -> int:
+    """How many of the ranked requests at the front `decide`'s admission loop admits one after
+    the other, each known (blocks and copies bound) and within what is left of both when its turn
+    comes: the loop starts after them."""
+    if not len(blocks) or left <= 0 or xfer_left <= 0:
+        return 0
+    took, moved = np.cumsum(blocks), np.cumsum(bounds)
+    fails = (blocks < 0) | (bounds < 0) | (took > left) | (moved > xfer_left)
+    fails[1:] |= (took[:-1] >= left) | (moved[:-1] >= xfer_left)  # nothing left before its turn
+    first = int(fails.argmax())
+    return first if fails[first] else len(blocks)
 
 
 class RotaryPolicy:
@@ -456,16 +470,24 @@ class RotaryPolicy:
         def exact_left() -> int:
             return xfer - sum(map(sched.admission_copies, admit))
 
-        for r, n, bound in zip(ranked, known_blocks, known_bounds, strict=True):
+        # Under contention most of the ranked rotary ones are known and the first of them fit:
+        # they are admitted at once.
+        first = _admitted_at_once(known_blocks, known_bounds, left, xfer)
+        if first:
+            admit = ranked[:first]
+            left -= int(known_blocks[:first].sum())
+            xfer_left -= int(known_bounds[:first].sum())
+        rest = zip(ranked[first:], known_blocks[first:].tolist(), known_bounds[first:].tolist(), strict=True)
+        for r, n, bound in rest:
             if xfer_left <= 0 and not exact:
                 xfer_left, exact = exact_left(), True
             if left <= 0 or xfer_left <= 0:
                 break  # Prioritize is done: nothing more fits under free + B_xfer
-            if n is None:
+            if n < 0:
                 n = blocks(r)
             if n > left:
                 continue
-            if bound is None:
+            if bound < 0:
                 bound = sched.admission_copies_bound(r)
             copies = sched.admission_copies(r) if exact else bound
             if copies > xfer_left:

@@ -102,6 +102,7 @@ class RunningBatch:
         self.token_tail = np.zeros((0, tail), dtype=np.int64)  # by slot: its newest tokens
         self.slo_classes: list[str] = []  # every SLO class a running request has had, in order seen
         self.free_slots: list[int] = []
+        self.leaving: list[int] = []  # freed slots still in `order` (see remove)
         # Every token that may stop a running request (its EOS ids, its stop_token_ids), with how
         # many running requests it may stop: few distinct ones (a model's EOS ids, mostly).
         self.stop_counts: dict[int, int] = {}
@@ -204,8 +205,9 @@ class RunningBatch:
         req._batch, req._slot = self, slot
         self.order = np.concatenate((self.order, (slot,)))
 
-    def remove(self, req: Request) -> None:
-        """The request stops running: its counters go back into it and its slot is freed."""
+    def remove(self, req: Request, reorder: bool = True) -> None:
+        """The request stops running: its counters go back into it and its slot is freed. With
+        `reorder=False` the slot stays in `order` until `reorder()` (a wave of them at once)."""
         slot = req._slot
         self.flush_gaps(slot)
         self.flush_tokens(slot)
@@ -225,4 +227,17 @@ class RunningBatch:
             getattr(self, name)[slot] = None
         self.gen[slot] += 1
         self.free_slots.append(slot)
-        self.order = self.order[self.order != slot]
+        self.leaving.append(slot)
+        if reorder:
+            self.reorder()
+
+    def reorder(self) -> None:
+        """Take the slots freed since out of `order`."""
+        slots, self.leaving = self.leaving, []
+        if len(slots) > 8:  # (isin's cost is mostly fixed)
+            self.order = self.order[np.isin(self.order, slots, invert=True)]
+        elif slots:
+            keep = self.order != slots[0]
+            for slot in slots[1:]:
+                keep &= self.order != slot
+            self.order = self.order[keep]

@@ -267,6 +267,8 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already live")
         self.check_fits(req.num_prompt_tokens, req.sampling.max_tokens)
         req.length_limit = min(req.length_limit, self.config.max_model_len)
+        if self.kv.enable_prefix_caching or self.kv.cpu is not None:
+            self.kv.update_hashes(req)  # its prompt's blocks, now rather than in a step (as vLLM does)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.waiting_columns.add(req)
@@ -370,9 +372,7 @@ class Scheduler:
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy", left):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
-        if left:
-            gone = set(map(id, left))
-            self.running[:] = [r for r in self.running if id(r) not in gone]
+        self._leave_running(left)
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
@@ -459,14 +459,20 @@ class Scheduler:
         step with thousands of running requests: vector operations over the running batch's
         columns, the row that stops them found first; the rows that begin a block get theirs in
         one allocation. Plain decodes become decode rows; one under min_tokens (tokens to ban) a
-        ScheduledSeq of its own, so they do not stop the scan."""
+        ScheduledSeq of its own, so they do not stop the scan.
+
+        A row that finds no free block and is itself the policy's victim (the rotary policy's,
+        the longest running, is most often the first row without one) is evicted here, as the
+        general path would, and the scan goes on after it: under memory contention a step evicts
+        a few, each then costs one more look at the rows' columns, not a scan of its own. The
+        rows served before and after it become decode rows at once, at the end."""
         b, budget = self.batch, step.budget
         slots = b.order[i:]
         if budget <= 0 or not len(slots):
             return i
         if len(slots) < self.rows_per_vector:
             return self._serve_decodes_by_row(i, slots.tolist(), step)
-        bs, free = self.kv.block_size, self.kv.num_free_blocks
+        bs = self.kv.block_size
         seen = step.classified.rows(i, slots) if step.classified is not None else None
         if seen is None:
             computed, pending = b.np_computed[slots], b.np_pending[slots]
@@ -474,7 +480,6 @@ class Scheduler:
             decode = (pending == 0) | (total < b.np_limit[slots])  # else Request.ends_after_pending: skipped
             stops = decode & (total - computed != 1)
             needs_block = decode & (computed >= b.np_nblocks[slots] * bs)
-            step.classified = _Classified(i, slots, computed, pending, decode, stops, needs_block)
         else:  # a scan after the general path served the row that stopped the last one
             computed, pending, decode, stops, needs_block = (
                 seen.computed,
@@ -483,24 +488,58 @@ class Scheduler:
                 seen.stops,
                 seen.needs_block,
             )
-        if np.count_nonzero(needs_block) > free:
-            stops = stops | (np.cumsum(needs_block) > free)  # from the first one that finds no free block
-        end = int(stops.argmax())
-        if not stops[end]:
-            end = len(slots)
-        taken = decode[:end]
-        served = np.count_nonzero(taken)  # (count_nonzero: numpy's cheapest reduction)
-        if served >= budget:  # the row that spends the last of it ends here
-            end = int(np.cumsum(taken).searchsorted(budget)) + 1
-            taken, served = decode[:end], budget
-        if served == len(slots):
-            rows, starts, was_pending = slots, computed, pending
-        else:
-            rows, starts, was_pending = slots[:end][taken], computed[:end][taken], pending[:end][taken]
-        grow = slots[:end][needs_block[:end]]
-        if len(grow):
-            self.kv.add_block_each(b.requests[grow].tolist())
-            b.np_nblocks[grow] += 1
+        start, evicted, total_served = 0, [], 0  # (start: where this segment of the rows begins)
+        while True:
+            free, needs = self.kv.num_free_blocks, needs_block[start:]
+            ends = stops[start:]
+            if np.count_nonzero(needs) > free:
+                ends = ends | (np.cumsum(needs) > free)  # from the first one that finds no free block
+            end = int(ends.argmax())
+            if not ends[end]:
+                end = len(ends)
+            taken = decode[start : start + end]
+            served = np.count_nonzero(taken)  # (count_nonzero: numpy's cheapest reduction)
+            if served >= budget:  # the row that spends the last of it ends here
+                end = int(np.cumsum(taken).searchsorted(budget)) + 1
+                served = budget
+            end += start
+            grow = slots[start:end][needs_block[start:end]]
+            if len(grow):
+                self.kv.add_block_each(b.requests[grow].tolist())
+                b.np_nblocks[grow] += 1
+            budget -= served
+            total_served += served
+            if budget <= 0 or end == len(slots) or stops[end]:
+                break
+            req, position = b.requests[slots[end]], i + end - len(evicted)  # it has no free block
+            if self.policy.victim(b, position, step.now) is not req:
+                break
+            self._evict(req, step)
+            step.preempted = True
+            evicted.append(end)
+            start = end = end + 1
+            if start == len(slots):
+                break
+        step.budget = budget
+        i += end - len(evicted)
+        step.classified = None  # the next scan may start from this look at the rows it did not serve
+        if end < len(slots):
+            cut = slice(end, None)
+            step.classified = _Classified(
+                i, slots[cut], computed[cut], pending[cut], decode[cut], stops[cut], needs_block[cut]
+            )
+        if total_served == len(slots):
+            self._decode_rows(slots, computed, pending, step)
+        elif total_served:
+            served = decode[:end].copy()
+            served[evicted] = False
+            self._decode_rows(slots[:end][served], computed[:end][served], pending[:end][served], step)
+        return i
+
+    def _decode_rows(self, rows: np.ndarray, starts: np.ndarray, was_pending: np.ndarray, step: _Step) -> None:
+        """Make the decodes a scan served (batch slots `rows`, computing from `starts`) decode rows
+        of the step, and count their tokens in the batch's columns."""
+        b, bs = self.batch, self.kv.block_size
         tokens = np.where(was_pending > 0, PLACEHOLDER, b.np_last_token[rows])
         plain = b.np_plain[rows]
         if np.count_nonzero(plain) != len(plain):
@@ -511,8 +550,6 @@ class Scheduler:
         b.np_last_step[rows] = step.id
         b.np_pending[rows] += 1
         step.add_decode_rows(rows, tokens.tolist(), starts.tolist(), np.flatnonzero((starts + 1) % bs == 0).tolist())
-        step.budget = budget - served
-        return i + end
 
     def _serve_decodes_by_row(self, i: int, slots: list[int], step: _Step) -> int:
         """_serve_decodes for the rows running[i:] in batch `slots`, one at a time (one loop over
@@ -923,12 +960,20 @@ class Scheduler:
         wrote = np.where(b.np_last_step[slots] == step.id, b.np_prev_step[slots], b.np_last_step[slots])
         reqs = b.requests[slots].tolist()
         firsts = b.np_written[slots]
-        fit = int(counts.sum()) <= min(step.transfer_left, kv.cpu.num_free)
-        if fit and np.count_nonzero(firsts < b.np_prompt_len[slots] // kv.block_size) == 0:
-            # Only output blocks, within the budget and the tier's room: the steady state.
-            copied, copies = kv.write_through_outputs(zip(reqs, firsts.tolist(), counts.tolist(), strict=True), step.id)
+        if int(counts.sum()) <= min(step.transfer_left, kv.cpu.num_free):
+            # All of them fit the budget and the tier's room: the output blocks first, at once
+            # (no hash, no lookup), then the prompt blocks (content the tier holds is shared).
+            prompt = firsts < b.np_prompt_len[slots] // kv.block_size
+            outputs = np.flatnonzero(~prompt).tolist()
+            first_of, count_of = firsts.tolist(), counts.tolist()
+            copied, copies = kv.write_through_outputs(((reqs[k], first_of[k], count_of[k]) for k in outputs), step.id)
+            if len(outputs) < len(reqs):
+                done_of = done.tolist()
+                targets = [(reqs[k], done_of[k]) for k in np.flatnonzero(prompt).tolist()]
+                more, more_copies = kv.write_through_all(targets, step.transfer_left - len(copies), step.id)
+                copied, copies = copied + more, copies + more_copies
         else:
-            order = reqs if fit or len(reqs) == 1 else self.policy.rotation_order(reqs, step.now)
+            order = reqs if len(reqs) == 1 else self.policy.rotation_order(reqs, step.now)
             complete = dict(zip(reqs, done.tolist(), strict=True))
             copied, copies = kv.write_through_all([(r, complete[r]) for r in order], step.transfer_left, step.id)
         if copies:
@@ -983,13 +1028,20 @@ class Scheduler:
         return self.kv.blocks_for(req.num_scheduled_tokens), self.kv.swap_in_copies_bound(req)
 
     def _stop_running(self, req: Request, left: list[Request] | None = None) -> None:
-        """Out of the running batch and list (with `left`, into it instead of out of the list: the
-        caller takes them all out at once)."""
-        self.batch.remove(req)
+        """Out of the running batch and list; with `left`, into it instead of out of the list and
+        the batch's order: the caller takes them all out of both at once (_leave_running)."""
+        self.batch.remove(req, reorder=left is None)
         if left is None:
             self.running.remove(req)
         else:
             left.append(req)
+
+    def _leave_running(self, left: list[Request]) -> None:
+        """Take the requests `_stop_running` put in `left` out of the running list and order."""
+        if left:
+            self.batch.reorder()
+            gone = set(map(id, left))
+            self.running[:] = [r for r in self.running if id(r) not in gone]
 
     def _leave_rotary(self, req: Request) -> None:
         _remove_sorted(self.rotary, req)
