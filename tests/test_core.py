@@ -178,6 +178,25 @@ def test_freed_cached_blocks_are_found_after_the_owner_finishes():
     assert s.requests["b"].num_cached_tokens == 8
 
 
+def test_a_next_turn_finds_the_last_turns_output_in_the_prefix_cache():
+    """A finished request's output blocks are hashed only once a lookup reaches them: a chat's
+    next turn, whose prompt is the last turn's prompt and output and more, finds them all."""
+    s = make_scheduler()
+    s.add(make_request("a", 6, max_tokens=9, ignore_eos=True))
+    step(s)
+    a = s.requests["a"]
+    while a.num_output_tokens < 8:
+        step(s)
+    blocks, tokens = a.block_ids, list(a.token_ids)
+    step(s)  # its last token: it finishes, 14 tokens computed (3 full blocks, 2 of them decoded)
+    assert "a" not in s.requests and sorted(s.kv.pool.unhashed) == sorted(blocks[1:3])
+    s.add(Request("b", [*tokens, 5, 42, 43], SamplingParams(max_tokens=4, temperature=0), 0.0))
+    step(s)
+    b = s.requests["b"]
+    assert b.num_cached_tokens == 12 and b.block_ids[:3] == blocks[:3]
+    assert not s.kv.pool.unhashed and not s.kv.pool.unhashed_after
+
+
 def test_prefix_caching_off():
     s = make_scheduler(prefix=False)
     s.add(make_request("a", 13))

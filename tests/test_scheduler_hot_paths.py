@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from superinfer.engine.core import policies, scheduler
-from superinfer.engine.core.kv import KVCacheManager, block_hashes
+from superinfer.engine.core.kv import UNHASHED, BlockPool, KVCacheManager, block_hashes
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import (
     MIN_PREFILL_CHUNK,
@@ -345,6 +345,12 @@ def check_swap_in_index(s: Scheduler) -> None:
     the swapped-out requests' blocks, and the rotary requests apart by whether their TBT is lost."""
     pool = s.kv.pool
     assert pool.in_use == {h for h, b in pool.cached.items() if pool.ref_cnt[b] > 0}
+    # Unhashed blocks (finished requests' output) are free, each in the one live run that names it.
+    unhashed = [b for b in range(pool.num_blocks) if pool.hash_of[b] is UNHASHED]
+    assert sorted(pool.unhashed) == unhashed and all(pool.ref_cnt[b] == 0 for b in unhashed)
+    runs = [run for runs in pool.unhashed_after.values() for run in runs]
+    assert sorted(b for run in runs for b in run.blocks if b >= 0) == unhashed
+    assert all(run.live == sum(b >= 0 for b in run.blocks) > 0 for run in runs)
     assert s.kv.swapped_out == set(s.rotary)
     watched = Counter(h for r in s.rotary for h in r.block_hashes[: len(r.cpu_block_ids)])
     assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
@@ -398,7 +404,8 @@ def test_hot_paths_plan_what_the_reference_plans(seed, rows_per_vector):
 
 def test_the_traces_reach_the_paths_that_matter(monkeypatch):
     """Rotation, preemption by recompute and TBT-guarded steps (some holding new requests as a
-    streaming one waited its whole turn) all happen in these traces."""
+    streaming one waited its whole turn) all happen in these traces, and so do lookups that hash a
+    released request's output blocks, and those blocks handed out unhashed."""
     guards = []
     real_guard = policies.tbt_guard
     monkeypatch.setattr(policies, "tbt_guard", lambda *args: guards.append(real_guard(*args)) or guards[-1])
@@ -410,12 +417,19 @@ def test_the_traces_reach_the_paths_that_matter(monkeypatch):
         return real_outputs(kv, *args)
 
     monkeypatch.setattr(KVCacheManager, "write_through_outputs", write_through_outputs)
+    hashed_late, left_runs = [], []  # unhashed output blocks: hashed for a lookup, handed out
+    real_hash_runs, real_leave_run = KVCacheManager._hash_runs_after, BlockPool._leave_run
+    monkeypatch.setattr(
+        KVCacheManager, "_hash_runs_after", lambda *args: hashed_late.append(real_hash_runs(*args)) or hashed_late[-1]
+    )
+    monkeypatch.setattr(BlockPool, "_leave_run", lambda *args: left_runs.append(real_leave_run(*args)))
     schedulers = [run_both(seed) for seed in SEEDS[:15]]
     assert sum(s.counters.rotations for s in schedulers) > 50
     assert sum(s.counters.preemptions["recompute"] for s in schedulers) > 20
     assert sum(g is not None for g in guards) > 100
     assert sum(s.counters.guard_overdue_steps for s in schedulers) >= 3  # held as a token came late
     assert copy_outs.count(True) >= 3 and copy_outs.count(False) >= 3
+    assert hashed_late.count(True) >= 10 and len(left_runs) >= 50
 
 
 def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):
@@ -540,7 +554,8 @@ def test_blocks_a_decode_fills_are_findable_once_the_request_releases_them(relea
     """A block a decode row fills joins the prefix cache when its request releases it, as far
     as the completed steps wrote it: while the request runs (its output is nobody else's
     prefix yet) and beyond its last completed decode row (a step still in flight writes it),
-    a lookup does not find it."""
+    a lookup does not find it. (A finished request's are hashed only when a lookup reaches them:
+    here, a request whose prompt continues its output.)"""
     bs = 4
     kv = KVCacheManager(16, bs, num_cpu_blocks=16)
     req = Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=16), 0.0)
@@ -553,16 +568,17 @@ def test_blocks_a_decode_fills_are_findable_once_the_request_releases_them(relea
     kv.filled([req], [1])  # the step that filled block 1 is done; block 2's still runs
 
     def found() -> list[int]:
-        return [kv.pool.lookup(h) for h in kv.update_hashes(req)]
+        follower = Request("f", [*req.token_ids, 42], SamplingParams(max_tokens=1), 0.0)
+        return kv.cached_prefix(follower)
 
-    assert found() == [req.block_ids[0], None, None]
+    assert found() == [req.block_ids[0]]
     blocks = req.block_ids
     if release == "finish":
         kv.free(req)
     else:
         assert kv.swap_out(req, step=1) is not None
         kv.retire(1)  # its copies are done
-    assert found() == [blocks[0], blocks[1], None]
+    assert found() == [blocks[0], blocks[1]]
     assert req.decoded_blocks == 0
 
 

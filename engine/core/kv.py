@@ -4,6 +4,9 @@ Pure bookkeeping over block ids; the tensors live in the runner. A block's conte
 `block_size` consecutive tokens of a sequence across all layers (block-first layout), so a full
 block is identified by the hash of its tokens chained with the hash of the block before it.
 Freed blocks keep their hash and stay findable until they are handed out again (LRU eviction).
+A finished request's output blocks are hashed only when a lookup could find them: when a new
+request's prefix has hit the block before them (a chat's next turn continues the last one's
+output); until then they sit in the free list unhashed, with the tokens to hash them.
 
 Two tiers: the GPU pool holds the KV the model reads; the optional CPU pool holds copies. A full
 block never changes again, so it is copied to the CPU tier as soon as it fills (eager
@@ -31,6 +34,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import filterfalse, islice, repeat
 from typing import NamedTuple
 
@@ -62,6 +66,24 @@ def block_hashes(parent: bytes, tokens: Sequence[int], block_size: int) -> list[
     return hashes
 
 
+UNHASHED = b"unhashed"  # hash_of a block in an _UnhashedRun (a real hash has 16 bytes)
+
+
+@dataclass(slots=True, eq=False)
+class _UnhashedRun:
+    """Full blocks a finished request released without hashing them (its output), and what their
+    hashes come from: the hash of the block before them and their tokens. A block handed out
+    meanwhile leaves the run (-1 in its place)."""
+
+    parent: bytes
+    blocks: list[int]
+    tokens: list[int]
+    live: int = field(init=False)  # blocks not handed out
+
+    def __post_init__(self) -> None:
+        self.live = len(self.blocks)
+
+
 class SwapIn(NamedTuple):
     copies: list[tuple[int, int]]  # (cpu block, gpu block)
     after_compute: int  # an unfinished step whose compute touches a destination (0: none)
@@ -89,6 +111,8 @@ class BlockPool:
         self.in_use: set[bytes] = set()  # hashes whose cached block is referenced (ref_cnt > 0)
         self.watched: dict[bytes, int] = {}  # hash -> how many swapped-out requests have a block of it
         self.watched_in_use = 0  # watched hashes in `in_use`
+        self.unhashed: dict[int, _UnhashedRun] = {}  # free block not hashed yet -> its run
+        self.unhashed_after: dict[bytes, list[_UnhashedRun]] = {}  # runs by the hash before them
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
         self.copying: dict[int, int] = {}  # block -> the newest unfinished step with a copy from or to it
         self.computing: dict[int, int] = {}  # released block -> the newest unfinished step computing with it
@@ -159,11 +183,41 @@ class BlockPool:
         for block in blocks:  # (locals only, `_drop_hash` inlined: a step takes hundreds)
             h = hash_of[block]
             if h is not None:
-                if cached.get(h) == block:
+                if h is UNHASHED:
+                    self._leave_run(block)
+                elif cached.get(h) == block:
                     del cached[h]
                 hash_of[block] = None
             ref_cnt[block] = 1
         return blocks
+
+    def defer_hashes(self, run: _UnhashedRun) -> None:
+        """Keep the run's blocks unhashed until `take_runs` for the hash before them."""
+        for block in run.blocks:
+            self.hash_of[block] = UNHASHED
+            self.unhashed[block] = run
+        self.unhashed_after.setdefault(run.parent, []).append(run)
+
+    def take_runs(self, parent: bytes) -> list[_UnhashedRun]:
+        """The runs after the block with hash `parent`, out of the pool's keeping (their blocks
+        are to be registered), with the blocks handed out meanwhile as -1."""
+        runs = self.unhashed_after.pop(parent, [])
+        for run in runs:
+            for block in run.blocks:
+                if block >= 0:
+                    del self.unhashed[block]
+                    self.hash_of[block] = None
+        return runs
+
+    def _leave_run(self, block: int) -> None:
+        run = self.unhashed.pop(block)
+        run.blocks[run.blocks.index(block)] = -1
+        run.live -= 1
+        if not run.live:
+            runs = self.unhashed_after[run.parent]
+            runs.remove(run)
+            if not runs:
+                del self.unhashed_after[run.parent]
 
     def touch(self, block: int) -> None:
         """Take one more reference to a block found in the prefix cache."""
@@ -338,13 +392,25 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
-        found = []
+        found, parent = [], b""
         for h in self.update_hashes(req)[:max_blocks]:
             block = self.pool.lookup(h)
+            if block is None and self._hash_runs_after(parent):
+                block = self.pool.lookup(h)
             if block is None:
                 break
             found.append(block)
+            parent = h
         return found
+
+    def _hash_runs_after(self, parent: bytes) -> bool:
+        """Hash and register the unhashed blocks that follow the block with hash `parent`, if any."""
+        runs = self.pool.take_runs(parent) if parent in self.pool.unhashed_after else ()
+        for run in runs:
+            for block, h in zip(run.blocks, block_hashes(run.parent, run.tokens, self.block_size), strict=True):
+                if block >= 0:
+                    self.pool.register(block, h)
+        return bool(runs)
 
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens after its cached prefix.
@@ -422,10 +488,11 @@ class KVCacheManager:
         for req, index in zip(requests, indices, strict=True):
             req.decoded_blocks = index + 1
 
-    def _register_decoded(self, req: Request) -> None:
+    def _register_decoded(self, req: Request, defer: bool = False) -> None:
         """Register the full blocks the request's completed decode rows filled, before it
-        releases them. Those already registered (prompt blocks, blocks from the cache or copied
-        in) end the backward scan."""
+        releases them (with `defer`, for good: hashed once a lookup could find them). Those
+        already registered (prompt blocks, blocks from the cache or copied in) end the backward
+        scan."""
         final = min(req.decoded_blocks, len(req.block_ids))
         req.decoded_blocks = 0
         if not self.enable_prefix_caching or final <= 0:
@@ -434,7 +501,13 @@ class KVCacheManager:
         first = final
         while first > 0 and hash_of[blocks[first - 1]] is None:
             first -= 1
-        if first < final:
+        if first == final:
+            return
+        if defer and len(req.block_hashes) >= first:
+            parent = req.block_hashes[first - 1] if first else b""
+            bs = self.block_size
+            self.pool.defer_hashes(_UnhashedRun(parent, blocks[first:final], req.token_ids[first * bs : final * bs]))
+        else:
             self.pool.register_all(blocks[first:final], self.update_hashes(req)[first:final])
 
     def free(self, req: Request) -> None:
@@ -443,7 +516,7 @@ class KVCacheManager:
         Blocks an unfinished copy touches stay quarantined until its step completes.
         """
         self._forget_swap_out(req)
-        self._register_decoded(req)
+        self._register_decoded(req, defer=True)
         self.pool.release(reversed(req.block_ids), req.last_step)
         req.block_ids = []
         if self.cpu:

@@ -146,13 +146,13 @@ class _DecodeColumns:
 
 @dataclass(frozen=True)
 class _Classified:
-    """What a scan found of running rows from `first` on, in columns. Still true of the rows it
-    stopped before, and they keep their places in `order`, until one of them is served: a row
-    stopped a scan for want of a block, the general path served it (evicting from the end of the
-    running order, `fcfs`'s victims) and the next scan starts after it."""
+    """What a scan found of running rows, in columns. Still true of the rows it stopped before,
+    and they keep their places in `order`, until one of them is served: a row stopped a scan for
+    want of a block, the general path served it (evicting from the end of the running order,
+    `fcfs`'s victims) and the next scan starts after it."""
 
-    first: int
-    order: np.ndarray  # the batch slots of running[first:]
+    first: int  # where order[0] stands in running order, less the rows the scan evicted (all before those it left)
+    order: np.ndarray  # the batch slots it looked at
     computed: np.ndarray
     pending: np.ndarray
     decode: np.ndarray
@@ -521,13 +521,10 @@ class Scheduler:
             if start == len(slots):
                 break
         step.budget = budget
+        # The next scan may start from this look at the rows it did not serve (those after `end`:
+        # the evicted ones, all before it, moved them up).
+        step.classified = _Classified(i - len(evicted), slots, computed, pending, decode, stops, needs_block)
         i += end - len(evicted)
-        step.classified = None  # the next scan may start from this look at the rows it did not serve
-        if end < len(slots):
-            cut = slice(end, None)
-            step.classified = _Classified(
-                i, slots[cut], computed[cut], pending[cut], decode[cut], stops[cut], needs_block[cut]
-            )
         if total_served == len(slots):
             self._decode_rows(slots, computed, pending, step)
         elif total_served:
