@@ -383,6 +383,11 @@ class KVCacheManager:
             hashes += block_hashes(hashes[-1] if hashes else b"", tokens[known * bs : full * bs], bs)
         return hashes
 
+    def _prompt_hashes(self, req: Request, prompt_full: int) -> list[bytes]:
+        """Hashes of at least the prompt's `prompt_full` full blocks (known since the request was
+        added: its outputs' are not computed for this)."""
+        return req.block_hashes if len(req.block_hashes) >= prompt_full else self.update_hashes(req)
+
     def cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding a prefix of the request's tokens, found in the cache.
 
@@ -550,7 +555,7 @@ class KVCacheManager:
         if self.cpu is None or full <= first:
             return copies  # nothing newly full (the common decode step)
         prompt_full = len(req.prompt_token_ids) // self.block_size
-        hashes = self.update_hashes(req) if prompt_full > first else []
+        hashes = self._prompt_hashes(req, prompt_full) if prompt_full > first else []
         copying = self.pool.copying
         for i in range(first, full):
             known = self.cpu.lookup(hashes[i]) if i < prompt_full else None
@@ -654,7 +659,7 @@ class KVCacheManager:
             if full <= first:
                 continue
             prompt_full = len(req.prompt_token_ids) // bs
-            own = self.update_hashes(req) if prompt_full > first else []
+            own = self._prompt_hashes(req, prompt_full) if prompt_full > first else []
             block_ids, before = req.block_ids, len(hashes)
             for i in range(first, min(full, prompt_full)):
                 h = own[i]
