@@ -354,6 +354,7 @@ def check_swap_in_index(s: Scheduler) -> None:
     assert s.kv.swapped_out == set(s.rotary)
     watched = Counter(h for r in s.rotary for h in r.block_hashes[: len(r.cpu_block_ids)])
     assert pool.watched == watched and pool.watched_in_use == len(pool.in_use & watched.keys())
+    assert pool.watched_twice == sum(n > 1 for n in watched.values())
     assert s.rotary_on_time == [r for r in s.rotary if not r.tbt_missed]
     assert s.rotary_lost == [r for r in s.rotary if r.tbt_missed]
     for cols, requests, order in (
@@ -405,7 +406,8 @@ def test_hot_paths_plan_what_the_reference_plans(seed, rows_per_vector):
 def test_the_traces_reach_the_paths_that_matter(monkeypatch):
     """Rotation, preemption by recompute and TBT-guarded steps (some holding new requests as a
     streaming one waited its whole turn) all happen in these traces, and so do lookups that hash a
-    released request's output blocks, and those blocks handed out unhashed."""
+    released request's output blocks, those blocks handed out unhashed, and swapped-out requests
+    that share content with another (their hashes watched twice)."""
     guards = []
     real_guard = policies.tbt_guard
     monkeypatch.setattr(policies, "tbt_guard", lambda *args: guards.append(real_guard(*args)) or guards[-1])
@@ -423,6 +425,13 @@ def test_the_traces_reach_the_paths_that_matter(monkeypatch):
         KVCacheManager, "_hash_runs_after", lambda *args: hashed_late.append(real_hash_runs(*args)) or hashed_late[-1]
     )
     monkeypatch.setattr(BlockPool, "_leave_run", lambda *args: left_runs.append(real_leave_run(*args)))
+    shared_watch, real_unwatch = [], BlockPool.unwatch  # whether another swapped-out request shares a hash
+
+    def unwatch(pool: BlockPool, hashes: list[bytes]) -> None:
+        shared_watch.append(pool.watched_twice > 0)
+        real_unwatch(pool, hashes)
+
+    monkeypatch.setattr(BlockPool, "unwatch", unwatch)
     schedulers = [run_both(seed) for seed in SEEDS[:15]]
     assert sum(s.counters.rotations for s in schedulers) > 50
     assert sum(s.counters.preemptions["recompute"] for s in schedulers) > 20
@@ -430,6 +439,7 @@ def test_the_traces_reach_the_paths_that_matter(monkeypatch):
     assert sum(s.counters.guard_overdue_steps for s in schedulers) >= 3  # held as a token came late
     assert copy_outs.count(True) >= 3 and copy_outs.count(False) >= 3
     assert hashed_late.count(True) >= 10 and len(left_runs) >= 50
+    assert shared_watch.count(True) >= 10 and shared_watch.count(False) >= 10
 
 
 def test_the_traces_reach_a_scan_that_reuses_the_last_ones_look(monkeypatch):

@@ -111,6 +111,7 @@ class BlockPool:
         self.in_use: set[bytes] = set()  # hashes whose cached block is referenced (ref_cnt > 0)
         self.watched: dict[bytes, int] = {}  # hash -> how many swapped-out requests have a block of it
         self.watched_in_use = 0  # watched hashes in `in_use`
+        self.watched_twice = 0  # watched hashes more than one swapped-out request has
         self.unhashed: dict[int, _UnhashedRun] = {}  # free block not hashed yet -> its run
         self.unhashed_after: dict[bytes, list[_UnhashedRun]] = {}  # runs by the hash before them
         self.held: dict[int, int] = {}  # quarantined block -> fence (step id)
@@ -308,19 +309,35 @@ class BlockPool:
         if h in self.watched:
             self.watched_in_use -= 1
 
-    def watch(self, hashes: Iterable[bytes]) -> None:
-        """Count in `watched_in_use` whether these hashes are in use (a request swapped out)."""
+    def watch(self, hashes: Sequence[bytes]) -> None:
+        """Count in `watched_in_use` whether these (distinct) hashes are in use (a request swapped
+        out). Most are watched by no other request: those at once."""
+        watched = self.watched
+        if watched.keys().isdisjoint(hashes):
+            watched.update(dict.fromkeys(hashes, 1))
+            self.watched_in_use += len(self.in_use.intersection(hashes))
+            return
         for h in hashes:
-            n = self.watched.get(h, 0)
-            self.watched[h] = n + 1
-            if not n and h in self.in_use:
+            n = watched.get(h, 0)
+            watched[h] = n + 1
+            if n == 1:
+                self.watched_twice += 1
+            elif not n and h in self.in_use:
                 self.watched_in_use += 1
 
-    def unwatch(self, hashes: Iterable[bytes]) -> None:
+    def unwatch(self, hashes: Sequence[bytes]) -> None:
+        watched = self.watched
+        if not self.watched_twice:  # each watched once: gone at once
+            for h in hashes:
+                del watched[h]
+            self.watched_in_use -= len(self.in_use.intersection(hashes))
+            return
         for h in hashes:
-            n = self.watched.pop(h) - 1
+            n = watched.pop(h) - 1
             if n:
-                self.watched[h] = n
+                watched[h] = n
+                if n == 1:
+                    self.watched_twice -= 1
             elif h in self.in_use:
                 self.watched_in_use -= 1
 
