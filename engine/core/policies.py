@@ -283,12 +283,17 @@ def _prefilling(running: RunningBatch, by_row: bool) -> bool:
 
 def _running_worst_first(running: RunningBatch, now: float, residency_s: float, by_row: bool) -> list[Request]:
     """The running requests ranked by (-priority, tbt_missed, -VLT), worst first (the reverse of
-    a stable sort). In columns, only those that have stayed the residency `_may_rotate_out` asks
-    for: under contention most have not, and each would cost a look of its own."""
+    a stable sort), only those that have stayed the residency `_may_rotate_out` asks for: under
+    contention most have not, and each would cost a look of its own."""
     slots = running.order
     if by_row:
         prio, max_gap, tbt, t_run = running.priority, running.max_gap, running.tbt_ms, running.t_run
-        ranked = sorted(slots.tolist(), key=lambda s: (-prio[s], max_gap[s] * 1000.0 > tbt[s], now - t_run[s]))
+        stayed_enough = [
+            s
+            for s in slots.tolist()
+            if now - t_run[s] >= (min(residency_s, tbt[s] / 1000.0) if max_gap[s] * 1000.0 > tbt[s] else residency_s)
+        ]
+        ranked = sorted(stayed_enough, key=lambda s: (-prio[s], max_gap[s] * 1000.0 > tbt[s], now - t_run[s]))
         return [running.requests[s] for s in reversed(ranked)]
     tbt, stayed = running.np_tbt_ms[slots], now - running.np_t_run[slots]
     missed = running.np_max_gap[slots] * 1000.0 > tbt
@@ -371,8 +376,12 @@ def _lagging_ranked(
                 patient.append(r)
             else:
                 lagging.append((key, r))
-        unknown = np.full(len(lagging), -1, dtype=np.int64)
-        return [r for _, r in sorted(lagging, key=itemgetter(0))], unknown, unknown, patient
+        ranked = [r for _, r in sorted(lagging, key=itemgetter(0))]
+        # A rotary one's blocks are known while none of its content is in use (Scheduler._swap_in_blocks).
+        known = {} if sched.kv.pool.watched_in_use else sched._swap_in_blocks
+        blocks = [known.get(r, 0) or -1 for r in ranked]
+        bounds = [sched.admission_copies_bound(r) if n > 0 else -1 for r, n in zip(ranked, blocks, strict=True)]
+        return ranked, np.array(blocks, dtype=np.int64), np.array(bounds, dtype=np.int64), patient
     if waiting_slots is None:
         waiting_keys = _keys_by_row(waiting, now, p)
         waiting_requests = np.empty(len(waiting), dtype=object)
@@ -472,7 +481,7 @@ class RotaryPolicy:
 
         # Under contention most of the ranked rotary ones are known and the first of them fit:
         # they are admitted at once.
-        first = _admitted_at_once(known_blocks, known_bounds, left, xfer)
+        first = _admitted_at_once(known_blocks, known_bounds, left, xfer) if len(ranked) >= sched.rows_per_vector else 0
         if first:
             admit = ranked[:first]
             left -= int(known_blocks[:first].sum())

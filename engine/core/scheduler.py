@@ -523,7 +523,11 @@ class Scheduler:
         step.budget = budget
         # The next scan may start from this look at the rows it did not serve (those after `end`:
         # the evicted ones, all before it, moved them up).
-        step.classified = _Classified(i - len(evicted), slots, computed, pending, decode, stops, needs_block)
+        step.classified = (
+            _Classified(i - len(evicted), slots, computed, pending, decode, stops, needs_block)
+            if end < len(slots)
+            else None
+        )
         i += end - len(evicted)
         if total_served == len(slots):
             self._decode_rows(slots, computed, pending, step)
@@ -636,6 +640,10 @@ class Scheduler:
             if req.num_pending_tokens:
                 continue  # left the GPU while its last step was in flight: back once that completes
             if req.status is RequestStatus.ROTARY:
+                if not self.kv.pool.watched_in_use and self._swap_in_blocks[req] > self.kv.num_free_blocks:
+                    if strict:  # it cannot fit (and could come back within the budget): no look needed
+                        return
+                    continue
                 n = self.next_tokens(req)
                 blocks = self.kv.swap_in_blocks(req, n)
                 # When it cannot fit (and could come back within the budget), its copies need not
