@@ -949,18 +949,10 @@ class Scheduler:
         free = kv.pool.num_free
         if free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.rotary and not self._waiting_outgrow(free):
             return
-        # Tokens with final KV before this step: a row this step computes one token of, all but
-        # that one; one it computes more of, where that began; the others, all they computed.
-        done = b.np_computed - (b.np_last_step == step.id)
-        if step.seq_starts:
-            done[list(step.seq_starts)] = list(step.seq_starts.values())
-        slots = b.order
-        done = done[slots]
-        unwritten = np.minimum(done // kv.block_size, b.np_nblocks[slots]) - b.np_written[slots]
-        rows = np.flatnonzero(unwritten > 0)
-        if not len(rows):
+        found = self._unwritten_by_row(step) if len(b.order) < self.rows_per_vector else self._unwritten(step)
+        if found is None:
             return
-        slots, done, counts = slots[rows], done[rows], unwritten[rows]
+        slots, done, counts = found
         # The step that wrote those blocks: the one before this step, for a request this step computes.
         wrote = np.where(b.np_last_step[slots] == step.id, b.np_prev_step[slots], b.np_last_step[slots])
         reqs = b.requests[slots].tolist()
@@ -991,6 +983,35 @@ class Scheduler:
             step.swap_out += copies
             step.transfer_left -= len(copies)
         b.np_written[slots] = [len(r.cpu_block_ids) for r in reqs]
+
+    def _unwritten(self, step: _Step) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The running requests with full blocks not yet written through, in running order: their
+        batch slots, tokens with final KV before this step (a row this step computes one token of,
+        all but that one; one it computes more of, where that began; the others, all they
+        computed), and how many such blocks each has. None if no request has one."""
+        b = self.batch
+        done = b.np_computed - (b.np_last_step == step.id)
+        if step.seq_starts:
+            done[list(step.seq_starts)] = list(step.seq_starts.values())
+        slots = b.order
+        done = done[slots]
+        unwritten = np.minimum(done // self.kv.block_size, b.np_nblocks[slots]) - b.np_written[slots]
+        rows = np.flatnonzero(unwritten > 0)
+        return (slots[rows], done[rows], unwritten[rows]) if len(rows) else None
+
+    def _unwritten_by_row(self, step: _Step) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """_unwritten, one row at a time (few rows: cheaper than the vector operations)."""
+        b, bs, starts = self.batch, self.kv.block_size, step.seq_starts
+        computed, last_step, nblocks, written = b.computed, b.last_step, b.nblocks, b.written
+        found: list[tuple[int, int, int]] = []
+        for slot in b.order.tolist():
+            done = starts[slot] if slot in starts else computed[slot] - (last_step[slot] == step.id)
+            n = min(done // bs, nblocks[slot]) - written[slot]
+            if n > 0:
+                found.append((slot, done, n))
+        if not found:
+            return None
+        return tuple(np.array(column, dtype=np.int64) for column in zip(*found, strict=True))
 
     def _waiting_outgrow(self, free: int) -> bool:
         """The waiting requests' tokens need more GPU blocks than `free` (cached prefixes aside)."""
