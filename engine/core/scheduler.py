@@ -961,10 +961,12 @@ class Scheduler:
             # All of them fit the budget and the tier's room: the output blocks first, at once
             # (no hash, no lookup), then the prompt blocks (content the tier holds is shared).
             prompt = firsts < b.np_prompt_len[slots] // kv.block_size
-            outputs = np.flatnonzero(~prompt).tolist()
-            first_of, count_of = firsts.tolist(), counts.tolist()
-            copied, copies = kv.write_through_outputs(((reqs[k], first_of[k], count_of[k]) for k in outputs), step.id)
-            if len(outputs) < len(reqs):
+            with_prompt = np.count_nonzero(prompt)  # (none: the steady state)
+            outputs = zip(reqs, firsts.tolist(), counts.tolist(), strict=True)
+            if with_prompt:
+                outputs = compress(outputs, (~prompt).tolist())
+            copied, copies = kv.write_through_outputs(outputs, step.id)
+            if with_prompt:
                 done_of = done.tolist()
                 targets = [(reqs[k], done_of[k]) for k in np.flatnonzero(prompt).tolist()]
                 more, more_copies = kv.write_through_all(targets, step.transfer_left - len(copies), step.id)
