@@ -532,9 +532,9 @@ class Scheduler:
         if total_served == len(slots):
             self._decode_rows(slots, computed, pending, step)
         elif total_served:
-            served = decode[:end].copy()
-            served[evicted] = False
-            self._decode_rows(slots[:end][served], computed[:end][served], pending[:end][served], step)
+            rows = decode[:end].copy()  # the decodes served: the evicted ones aside
+            rows[evicted] = False
+            self._decode_rows(slots[:end][rows], computed[:end][rows], pending[:end][rows], step)
         return i
 
     def _decode_rows(self, rows: np.ndarray, starts: np.ndarray, was_pending: np.ndarray, step: _Step) -> None:
@@ -620,16 +620,15 @@ class Scheduler:
         rotary ones the free blocks cannot hold: under overload most of them, each step. Such a
         one never fits this step: admitting others shrinks the free blocks by at least what it
         shrinks its need (a free block is taken for each of its blocks brought into use). So
-        they are left out before ranking, and again after each admission."""
-        pool, need = self.kv.pool, self._swap_in_blocks
-        if not pool.watched_in_use:  # (`need` is exact only then)
-            free = pool.num_free
-            requests = [r for r in requests if need.get(r, 0) <= free]
+        they are left out before ranking, and again after each admission (by `_admit`)."""
+        requests = [r for r in requests if not self._known_not_to_fit(r)]
+        self._admit(self.policy.rank(requests, step.now), step, strict=False)
 
-        def may_fit(req: Request) -> bool:
-            return pool.watched_in_use > 0 or need.get(req, 0) <= pool.num_free
-
-        self._admit(filter(may_fit, self.policy.rank(requests, step.now)), step, strict=False)
+    def _known_not_to_fit(self, req: Request) -> bool:
+        """A rotary request whose blocks, known without a look while none of any swapped-out
+        request's content is in use (`_swap_in_blocks`), exceed the free pool (it could come back
+        within the transfer budget)."""
+        return not self.kv.pool.watched_in_use and self._swap_in_blocks.get(req, 0) > self.kv.num_free_blocks
 
     def _admit(self, order: Iterable[Request], step: _Step, strict: bool) -> None:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
@@ -640,8 +639,8 @@ class Scheduler:
             if req.num_pending_tokens:
                 continue  # left the GPU while its last step was in flight: back once that completes
             if req.status is RequestStatus.ROTARY:
-                if not self.kv.pool.watched_in_use and self._swap_in_blocks[req] > self.kv.num_free_blocks:
-                    if strict:  # it cannot fit (and could come back within the budget): no look needed
+                if self._known_not_to_fit(req):
+                    if strict:
                         return
                     continue
                 n = self.next_tokens(req)
