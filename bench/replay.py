@@ -9,6 +9,7 @@ benchmark; HTTP runs against any OpenAI endpoint go through `bench/loadgen.py`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -16,6 +17,7 @@ from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
+from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.duplex import CopyStats
@@ -36,13 +38,15 @@ def replay(
     prompts: Sequence[list[int]],
     timeline: DeviceTimeline | None = None,
     copy_stats: list[CopyStats] | None = None,
+    step_log: list[dict[str, float]] | None = None,
 ) -> tuple[list[RequestTiming], float]:
     """Run every item to completion; returns per-request timings and the run's duration.
 
     With a VirtualClock engine, time advances as `timeline` places each step's ops (default: the
     default costs, under the engine's duplex mode and scheduling); with a real clock, arrivals
     wait for their wall-clock time (an open-loop load driven in-process, no HTTP). Each step's
-    measured copies are appended to `copy_stats` if given.
+    measured copies are appended to `copy_stats` if given, and a line per step (`step_entry`, then
+    when it was done and how its copies went) to `step_log`.
     """
     clock = core.clock
     virtual = isinstance(clock, VirtualClock)
@@ -50,9 +54,10 @@ def replay(
         timeline = DeviceTimeline(duplex=core.config.duplex, async_scheduling=core.async_scheduling)
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     token_times: dict[str, list[float]] = {}
-    in_flight: list[tuple[SubmittedStep, float]] = []  # submitted steps, and when their tokens are out
+    # submitted steps, when their tokens are out, and their step-log line
+    in_flight: list[tuple[SubmittedStep, float, dict[str, float] | None]] = []
 
-    def collect(step: SubmittedStep, done: float, phases: dict[str, float]) -> None:
+    def collect(step: SubmittedStep, done: float, entry: dict[str, float] | None, phases: dict[str, float]) -> None:
         t0 = time.perf_counter()
         result = core.runner.collect(step)
         phases = {**phases, "wait": time.perf_counter() - t0}  # (host seconds, also on a virtual clock)
@@ -62,6 +67,11 @@ def replay(
             clock.now = max(clock.now, done)
         for out in core.complete(step.plan, result, phases):
             token_times[out.request_id].append(clock())
+        if entry is not None:
+            copies = result.copies
+            entry.update(done=clock() - start, copy_latency_out=copies.latency_out, copy_latency_in=copies.latency_in)
+            entry.update(copy_hidden=copies.hidden_seconds, copy_seconds=copies.copy_seconds)
+            entry.update(graph_replays=core.runner.graphs.replays if core.runner.graphs is not None else 0)
 
     nxt = 0
     start = clock()
@@ -87,8 +97,13 @@ def replay(
         t0 = time.perf_counter()
         plan = core.scheduler.schedule()
         t1 = time.perf_counter()
-        in_flight.append((core.runner.submit(plan), timeline.run(plan, clock.now) if virtual else 0.0))
+        entry = None
+        if step_log is not None:
+            step_log.append(entry := step_entry(core, plan, clock() - start))
+        in_flight.append((core.runner.submit(plan), timeline.run(plan, clock.now) if virtual else 0.0, entry))
         phases = {"schedule": t1 - t0, "submit": time.perf_counter() - t1}
+        if entry is not None:
+            entry.update(schedule_s=phases["schedule"], submit_s=phases["submit"])
         keep = 1 if core.async_scheduling and not plan.is_empty else 0
         while len(in_flight) > keep:
             collect(*in_flight.pop(0), phases)
@@ -97,3 +112,35 @@ def replay(
         RequestTiming(start + items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo) for i in range(len(items))
     ]
     return timings, clock() - start
+
+
+def step_entry(core: EngineCore, plan: StepPlan, t: float) -> dict[str, float]:
+    """A step-log line at planning time `t` (seconds into the run): the step's shape and copies,
+    the queues it left, the scheduler's counters so far and the TBT guard's view (NaN without one)."""
+    sched, counters = core.scheduler, core.scheduler.counters
+    guard = sched.last_guard
+    return {
+        "t": t,
+        "tokens": plan.num_tokens,
+        "seqs": plan.num_seqs,
+        "context": plan.num_context_tokens,
+        "blocks_out": len(plan.swap_out),
+        "blocks_in": len(plan.swap_in),
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "rotary": len(sched.rotary),
+        "free_blocks": sched.kv.num_free_blocks,
+        "rotations": counters.rotations,
+        "recomputes": counters.preemptions["recompute"],
+        "guard_held_steps": counters.guard_held_steps,
+        "guard_overdue_steps": counters.guard_overdue_steps,
+        "guard_new_requests": guard.new_requests if guard else math.nan,
+        "guard_token_budget": guard.token_budget if guard else math.nan,
+        "guard_residency_s": guard.residency_s if guard else math.nan,
+        "guard_live": guard.live if guard else math.nan,
+        "guard_fit": guard.fit if guard else math.nan,
+        "guard_turn_left_s": guard.turn_left_s if guard else math.nan,
+        "predicted_s": sched.step_time.time_for(plan.num_tokens, plan.num_context_tokens)
+        if sched.step_time.ready
+        else math.nan,
+    }

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
+import re
 from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from superinfer.bench.goodput import summarize
+from superinfer.bench.goodput import RequestTiming, summarize
 from superinfer.bench.record import write_result
 from superinfer.bench.replay import VirtualClock, replay
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.transfers import summarize_copies
 from superinfer.bench.vllm_peer import parse_counters
-from superinfer.bench.workload import load_trace, poisson_workload, prompt_tokens
+from superinfer.bench.workload import WorkItem, load_trace, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.slo import SLO
@@ -51,7 +53,26 @@ def step_phases(registry: CollectorRegistry) -> dict[str, float]:
     return {f"{phase}_ms_per_step": 1000 * seconds / steps for phase, seconds in counted.phase_seconds.items()}
 
 
-def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: object) -> dict[str, float]:
+def write_step_log(
+    path: Path, steps: list[dict[str, float]], timings: list[RequestTiming], items: list[WorkItem]
+) -> None:
+    """The run's steps (replay's step log) and requests (arrival, token times relative to it,
+    lengths) as JSON columns, for reading a run step by step after it (a GPU's lease is short)."""
+    step_columns = {key: [step.get(key, math.nan) for step in steps] for key in steps[0]} if steps else {}
+    requests = {
+        "arrival": [t.arrival for t in timings],
+        "ttft": [t.ttft for t in timings],
+        "max_gap": [max(t.gaps, default=0.0) for t in timings],
+        "prompt_len": [item.prompt_len for item in items],
+        "output_len": [item.output_len for item in items],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"steps": step_columns, "requests": requests}).replace("NaN", "null"))
+
+
+def run_point(
+    args: argparse.Namespace, policy: str, rate: float, step_log: Path | None = None, **variant: object
+) -> dict[str, float]:
     slo = SLO(args.ttft_slo_ms, args.tbt_slo_ms)
     cpu = args.device == "cpu"
     virtual = cpu and not args.wall_clock
@@ -87,7 +108,10 @@ def run_point(args: argparse.Namespace, policy: str, rate: float, **variant: obj
     prompts = prompt_tokens(items, core.model_config.vocab_size, seed=args.seed)
     timeline = DeviceTimeline(duplex=core.config.duplex, async_scheduling=core.async_scheduling) if virtual else None
     copies: list[CopyStats] = []
-    timings, duration = replay(core, items, prompts, timeline, copies)
+    steps: list[dict[str, float]] | None = [] if step_log else None
+    timings, duration = replay(core, items, prompts, timeline, copies, steps)
+    if step_log:
+        write_step_log(step_log, steps or [], timings, items)
     report = summarize(timings, duration)
     if timeline is not None:  # the copies' cost on the modelled device, not the CPU's own copies
         report.update(copy_seconds=timeline.copy_seconds, copy_hidden_ratio=timeline.hidden_ratio or 0.0)
@@ -167,6 +191,10 @@ def main() -> None:
         action="store_true",
         help="on CPU, time on the wall clock (the model's and the host's real time count, as on a GPU)",
     )
+    parser.add_argument("--tag", default="", help="names the record (bench/results/slo-TAG-...)")
+    parser.add_argument(
+        "--step-log", type=Path, default=None, help="a folder: each point's steps and requests as JSON there"
+    )
     parser.add_argument(
         "--ablation", action="store_true", help="also rotary with --duplex half, serial and --no-write-through"
     )
@@ -223,11 +251,12 @@ def main() -> None:
             "slo_ms": [args.ttft_slo_ms, args.tbt_slo_ms],
         },
     }
-    tag = "wall" if cpu and args.wall_clock else ""
+    tag = "-".join(filter(None, [args.tag, "wall" if cpu and args.wall_clock else ""]))
     points: dict[str, list[dict[str, float]]] = {}
     for name, policy, variant in runs:
         for rate in rates:
-            points.setdefault(name, []).append(run_point(args, policy, rate, **variant))
+            log = args.step_log / re.sub(r"[^\w.]+", "-", f"steps-{name}-{rate:g}.json") if args.step_log else None
+            points.setdefault(name, []).append(run_point(args, policy, rate, log, **variant))
             path = write_result("slo", args.device, {"points": points}, goal, extra, tag)  # kept if a later point dies
     figures = {"points": points}
     top = {p: pts[-1] for p, pts in points.items()}

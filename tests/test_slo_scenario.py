@@ -22,7 +22,7 @@ from superinfer.engine.slo import SLO
 SLO_TARGETS = SLO(ttft_ms=1000, tbt_ms=100)
 
 
-def run_policy(policy: str) -> tuple[dict[str, float], EngineCore]:
+def run_policy(policy: str, step_log: list[dict[str, float]] | None = None) -> tuple[dict[str, float], EngineCore]:
     clock = VirtualClock()
     core = EngineCore(
         EngineConfig(
@@ -31,14 +31,17 @@ def run_policy(policy: str) -> tuple[dict[str, float], EngineCore]:
         clock=clock,
     )
     items = burst_workload(SLO_TARGETS, seed=0)
-    timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size))
+    timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size), step_log=step_log)
     assert all(len(t.token_times) == item.output_len for t, item in zip(timings, items, strict=True))
     return summarize(timings, duration), core
 
 
+ROTARY_STEPS: list[dict[str, float]] = []
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, tuple[dict[str, float], EngineCore]]:
-    return {policy: run_policy(policy) for policy in ("fcfs", "rotary")}
+    return {"fcfs": run_policy("fcfs"), "rotary": run_policy("rotary", ROTARY_STEPS)}
 
 
 def test_rotary_meets_ttft_where_fcfs_blocks(results):
@@ -72,6 +75,17 @@ def test_rotation_really_happened_and_nothing_leaked(results):
         for s in ("free", "dirty", "clean", "quarantined")
     }
     assert gpu_states == {"free": 48, "dirty": 0, "clean": 0, "quarantined": 0}
+
+
+def test_the_step_log_has_every_step_and_the_guards_view(results):
+    core, steps = results["rotary"][1], ROTARY_STEPS
+    assert len(steps) == core.scheduler._step_id
+    assert all(s["t"] <= s["done"] for s in steps)
+    assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
+    assert sum(s["blocks_out"] for s in steps) > 0 and sum(s["blocks_in"] for s in steps) > 0
+    assert steps[-1]["rotations"] == core.scheduler.counters.rotations
+    guarded = [s for s in steps if not math.isnan(s["guard_live"])]
+    assert guarded and all(s["guard_fit"] >= 1 and s["guard_live"] >= 1 for s in guarded)
 
 
 def run_overload(

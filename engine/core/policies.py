@@ -40,6 +40,7 @@ class Decision:
     token_budget: int | None = None  # a tighter token budget for this step than the configured one
     held: int = 0  # new requests the TBT guard kept out of this step's admission (TBTGuard.new_requests)
     held_overdue: bool = False  # ... all of them, as a streaming request had waited its whole turn
+    guard: TBTGuard | None = None  # the TBT guard's view this step, when the policy has one
     # Admitted after `admit` into what is left, best first by the policy's `rank`, each skipped if
     # it does not fit (never in strict order): the scheduler ranks only those that may fit.
     patient: list[Request] = field(default_factory=list)
@@ -126,6 +127,11 @@ class TBTGuard:
     token_budget: int  # tokens the step may compute
     residency_s: float  # how long a request may stay on the GPU while others wait their turn
     overdue: bool = False  # a streaming request has waited its whole turn: no new request starts
+    # What it judged by (for the benchmarks' step logs): the live requests it protects, how many of
+    # them fit on the GPU at once, and the time left until the first of their turns ends.
+    live: int = 0
+    fit: int = 0
+    turn_left_s: float = math.inf
 
 
 def _live_columns(
@@ -252,7 +258,8 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     context = sum(map(b.num_tokens.__getitem__, b.order.tolist())) if by_row else int(b.np_num_tokens[b.order].sum())
     budget = model.tokens_within(step_s, context)
     residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
-    return TBTGuard(allowed, max(budget, len(sched.running) + MIN_PREFILL_CHUNK), residency, overdue)
+    budget = max(budget, len(sched.running) + MIN_PREFILL_CHUNK)
+    return TBTGuard(allowed, budget, residency, overdue, d, fit, turn_end - now)
 
 
 # Each of these reads the running batch's columns: one row at a time below `rows_per_vector` rows
@@ -442,8 +449,8 @@ class RotaryPolicy:
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
-        if not others:
-            return Decision(token_budget=budget, held=held, held_overdue=overdue)  # nothing to admit: no contention
+        if not others:  # nothing to admit: no contention
+            return Decision(token_budget=budget, held=held, held_overdue=overdue, guard=guard)
         free = kv.num_free_blocks - _growth_blocks(sched, by_row)
         taken: dict[str, int] = {}
 
@@ -458,7 +465,7 @@ class RotaryPolicy:
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
-            return Decision(admit=by_arrival(others), token_budget=budget, held=held, held_overdue=overdue)
+            return Decision(admit=by_arrival(others), token_budget=budget, held=held, held_overdue=overdue, guard=guard)
 
         # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
         # displaces a running one (a lost request bounced in and out costs two copies per token).
@@ -520,7 +527,14 @@ class RotaryPolicy:
                     rotate_out.append(r)
                     to_free -= kv.owned_blocks(r)
         return Decision(
-            rotate_out, admit, strict_order=False, token_budget=budget, patient=patient, held=held, held_overdue=overdue
+            rotate_out,
+            admit,
+            strict_order=False,
+            token_budget=budget,
+            patient=patient,
+            held=held,
+            held_overdue=overdue,
+            guard=guard,
         )
 
     @staticmethod

@@ -34,7 +34,7 @@ import numpy as np
 
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
-from superinfer.engine.core.policies import FCFSPolicy, Policy
+from superinfer.engine.core.policies import FCFSPolicy, Policy, TBTGuard
 from superinfer.engine.core.ranking_columns import RankingColumns
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from superinfer.engine.core.running_batch import ROWS_PER_VECTOR, RunningBatch
@@ -255,6 +255,7 @@ class Scheduler:
         # this skips them without a look at their blocks.
         self._swap_in_blocks: dict[Request, int] = {}
         self.counters = SchedulerCounters()
+        self.last_guard: TBTGuard | None = None  # the TBT guard's view in the last step (step logs)
         self._released: list[str] = []
         self._step_id = 0
         self._submitted: dict[int, _Submitted] = {}
@@ -362,6 +363,7 @@ class Scheduler:
         )
         step.writes_through = self.config.write_through and self.policy.uses_cpu_tier and self.kv.cpu is not None
         decision = self.policy.decide(self, step.now)
+        self.last_guard = decision.guard
         capped = decision.token_budget is not None and decision.token_budget < step.budget
         if capped:
             step.budget = decision.token_budget
