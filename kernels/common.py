@@ -24,6 +24,10 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Arguments of the attention kernels that change from step to step (the block table's width is the
+# batch's longest context in blocks): Triton would compile a kernel again for each new value == 1
+# or divisible by 16, seconds in the middle of serving, so they are not specialized on.
+STEP_VARYING = ["layer", "stride_table"]
 LOG2E = 1.4426950408889634
 
 

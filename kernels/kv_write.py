@@ -19,7 +19,7 @@ BLOCK_T = 4
 MAX_BLOCK_HD = 512
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "layer"])
 def _kv_write_kernel(
     k_ptr,
     v_ptr,

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from superinfer.kernels.common import (
     LOG2E,
+    STEP_VARYING,
     CacheStrides,
     block_table,
     cdiv,
@@ -91,7 +92,7 @@ def split_size(programs: int, max_context: int, device: torch.device) -> int:
     return min(whole, cdiv(max(MIN_SPLIT, cdiv(max_context, want)), BLOCK_N) * BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*STEP_VARYING, "split_keys", "num_splits"])
 def _decode_kernel(
     q_ptr,
     out_ptr,
@@ -168,7 +169,7 @@ def _decode_kernel(
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_keys", "num_splits"])
 def _reduce_kernel(
     out_ptr,
     rows_ptr,

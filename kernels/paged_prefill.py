@@ -23,6 +23,7 @@ import triton.language as tl
 
 from superinfer.kernels.common import (
     LOG2E,
+    STEP_VARYING,
     CacheStrides,
     block_table,
     dot_precision,
@@ -90,7 +91,7 @@ class ExtendBatch:
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _prefill_kernel(
     q_ptr,
     out_ptr,

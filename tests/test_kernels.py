@@ -293,6 +293,18 @@ def _greedy(core: EngineCore, prompts: list[list[int]], tokens: Sequence[int]) -
     return out
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_warm_up_step_before_serving_changes_no_token(async_scheduling: bool) -> None:
+    """The runner's warm-up step (run at startup on CUDA) writes KV into free blocks and samples
+    for requests of its own: what is served after it is what is served without it."""
+    prompts, tokens = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000]], [6, 9]
+    warmed = _engine("triton", async_scheduling=async_scheduling)
+    warmed.runner.warm_up()
+    assert _greedy(warmed, prompts, tokens) == _greedy(
+        _engine("triton", async_scheduling=async_scheduling), prompts, tokens
+    )
+
+
 def test_engine_greedy_tokens_match_torch_backend() -> None:
     """The tiny model (4 layers, GQA 2, head_dim 64) on the Triton kernels: prefill across a block
     boundary, then decodes crossing the next one; the same greedy tokens as the torch backend."""
@@ -393,3 +405,36 @@ def test_block_copy_llama3_8b_blocks() -> None:
     assert torch.equal(gather_blocks(cache, ids, staging), cache[ids.long()])
     scatter_blocks(staging.flip(0).contiguous(), cache, ids)
     assert torch.equal(cache[ids.long()], staging.flip(0))
+
+
+@pytest.mark.gpu
+def test_new_table_widths_token_counts_and_layers_compile_nothing_new() -> None:
+    """Serving meets block tables of every width, steps of every token count and every layer: each
+    kernel compiles once, not again for a new value that is 1 or divisible by 16 (Triton's default
+    specialization: a stall of seconds in the middle of serving)."""
+    from superinfer.kernels.kv_write import _kv_write_kernel
+    from superinfer.kernels.paged_decode import _decode_kernel
+    from superinfer.kernels.paged_prefill import _prefill_kernel
+
+    block_size, dtype, scale = 16, torch.bfloat16, 128**-0.5
+    kernels = (_prefill_kernel, _decode_kernel, _kv_write_kernel)
+
+    def compiled() -> list[int]:
+        return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels]
+
+    first = None
+    for width in (1, 2, 16, 17, 32):  # the longest context, in blocks
+        contexts = [width * block_size, 3]
+        p = paged(contexts, block_size, 8, 128, dtype)
+        for layer in range(LAYERS):
+            q = queries(width + 1, 32, 128, dtype)
+            lens = [width, 1]
+            batch = ExtendBatch.build([0, width], lens, contexts, p.block_ids, block_size, 4, DEVICE)
+            paged_prefill(q, p.cache, layer, batch, scale)
+            decode = DecodeBatch.build([0, 1], contexts, p.block_ids, block_size, DEVICE, 8)
+            paged_decode(q[:2], p.cache, layer, decode, scale)
+            slots = torch.arange(width + 1, dtype=torch.int32, device=DEVICE)
+            kv_write(p.cache, layer, q[:, :8], q[:, 8:16], slots)
+        torch.cuda.synchronize()
+        first = first or compiled()
+    assert compiled() == first

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
+from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.model.moe import SparseMoE
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
@@ -262,6 +262,19 @@ class ModelRunner:
                 "more memory, --max-num-seqs bounds the largest graph, and --enforce-eager runs without them"
             ) from e
         log.info("CUDA graphs of decode steps of %s rows, captured in %.1f s", sizes, time.perf_counter() - t0)
+
+    def warm_up(self) -> None:
+        """Run one step op by op, a prompt chunk beside a decode, before serving: on CUDA Triton
+        compiles what the decode graphs do not hold (the prompt chunks' attention) now, not during
+        the first requests. Its tokens go to the first few blocks, which hold nothing yet."""
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        chunk_blocks = -(-16 // self.block_size)
+        decode_blocks = range(chunk_blocks, chunk_blocks + -(-41 // self.block_size))
+        chunk = ScheduledSeq("warm-up-chunk", [0] * 16, 0, list(range(chunk_blocks)), True, greedy)
+        decode = ScheduledSeq("warm-up-decode", [0], 40, list(decode_blocks), True, greedy)
+        self.execute(StepPlan(step_id=0, seqs=[chunk, decode]))
+        self.execute(StepPlan(step_id=0, seqs=[], released=[chunk.request_id, decode.request_id]))
+        self._previous = None
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return device_tensor(values, torch.long, self.device)
