@@ -43,7 +43,7 @@ from superinfer.engine.worker.copy_methods import copy_kernel
 from superinfer.engine.worker.duplex import DuplexKV
 from superinfer.engine.worker.triton_attention import TritonPagedAttention, token_slots
 from superinfer.kernels.block_copy import copy_blocks_reference, gather_blocks, scatter_blocks
-from superinfer.kernels.common import cdiv
+from superinfer.kernels.common import cdiv, next_pow2
 from superinfer.kernels.kv_write import kv_write, kv_write_reference
 from superinfer.kernels.paged_decode import BLOCK_N, DecodeBatch, paged_decode, paged_decode_reference
 from superinfer.kernels.paged_prefill import BLOCK_N as PREFILL_BLOCK_N
@@ -248,6 +248,10 @@ def test_triton_step_matches_torch_backend(group: int) -> None:
         args = (q * (layer + 1), k + layer, v - layer)
         close(triton_attn(layer, *args), torch_attn(layer, *args), torch.float32)
     assert torch.equal(ours, theirs)
+
+
+def test_next_pow2_is_tritons() -> None:
+    assert [next_pow2(n) for n in range(5000)] == [triton.next_power_of_2(n) for n in range(5000)]
 
 
 def test_token_slots() -> None:
