@@ -56,8 +56,9 @@ def step_phases(registry: CollectorRegistry) -> dict[str, float]:
 def write_step_log(
     path: Path, steps: list[dict[str, float]], timings: list[RequestTiming], items: list[WorkItem]
 ) -> None:
-    """The run's steps (replay's step log) and requests (arrival, token times relative to it,
-    lengths) as JSON columns, for reading a run step by step after it (a GPU's lease is short)."""
+    """The run's steps (replay's step log) and requests (arrival, TTFT, largest gap between
+    tokens, lengths) as JSON columns, for reading a run step by step after it (a GPU's lease is
+    short)."""
     step_columns = {key: [step.get(key, math.nan) for step in steps] for key in steps[0]} if steps else {}
     requests = {
         "arrival": [t.arrival for t in timings],
