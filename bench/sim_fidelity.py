@@ -29,7 +29,7 @@ from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.slo import SLO
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.sim.config import SimConfig
-from superinfer.sim.cost import spread_quantiles
+from superinfer.sim.cost import fit_calibration
 from superinfer.sim.report import point_report
 from superinfer.sim.simulator import simulate
 
@@ -49,16 +49,11 @@ class RecordedStepTimes(StepTimeModel):
 
 
 def calibration(steps: RecordedStepTimes, copies: list[CopyStats]) -> dict:
-    base, per_token, per_kcontext = steps.coefficients()
-    predicted = [(steps.predict(shape), seconds) for shape, seconds in steps.seen]
-    ratios = [seconds / p for p, seconds in predicted if p > 0]  # none if the fit came out all zero
-    out: dict = {"base_s": base, "per_token_s": per_token, "per_kcontext_s": per_kcontext}
-    out["step_time_spread"] = spread_quantiles(ratios)
-    for d in ("out", "in"):
+    def per_block(d: str) -> float:
         blocks = sum(getattr(c, f"blocks_{d}") for c in copies)
-        seconds = sum(getattr(c, f"seconds_{d}") for c in copies)
-        out[f"per_block_{d}_s"] = seconds / blocks if blocks else 0.0
-    return out
+        return sum(getattr(c, f"seconds_{d}") for c in copies) / blocks if blocks else 0.0
+
+    return fit_calibration(steps.seen, per_block("out"), per_block("in"))
 
 
 def main() -> None:

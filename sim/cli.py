@@ -35,7 +35,11 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--hardware", default="gh200", help="gh200, h100 (PCIe Gen5 host link), h200, cpu")
     g.add_argument(
-        "--calibration", type=Path, default=None, help="JSON of measured step and copy costs (replaces the roofline)"
+        "--calibration",
+        type=Path,
+        default=None,
+        help="measured step and copy costs (replace the roofline): a JSON of them, a bench.step record, "
+        "or a bench.slo --step-log file (.json or .json.gz)",
     )
     g.add_argument("--policies", default="fcfs,rotary,watermark", help="comma-separated")
     g.add_argument("--block-size", type=int, default=16)

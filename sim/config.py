@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from superinfer.bench.step_cost import StepCost
 from superinfer.engine.core.policies import RotaryParams
-from superinfer.sim.cost import block_bytes, load_calibration, profile_from_step_record, roofline_cost
+from superinfer.sim.cost import block_bytes, load_calibration, profile_from_step_record, read_json, roofline_cost
 from superinfer.sim.hardware import HardwareProfile, get_profile
 from superinfer.sim.model_spec import ModelSpec, load_model_spec
 
@@ -51,7 +50,7 @@ class SimConfig:
     def step_cost(self) -> StepCost:
         hw = self.profile()
         if self.calibration is not None:
-            record = json.loads(Path(self.calibration).read_text())
+            record = read_json(self.calibration)
             if record.get("bench") != "step":
                 return load_calibration(self.calibration, self.model_spec(), self.block_size)
             hw = profile_from_step_record(hw, record)

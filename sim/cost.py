@@ -19,6 +19,7 @@ the floor of a step with prompt tokens (such steps run outside the CUDA graphs, 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import random
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from superinfer.bench.step_cost import StepCost
 from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.sim.hardware import HardwareProfile
 from superinfer.sim.model_spec import ModelSpec
 
@@ -116,11 +118,54 @@ class CalibratedCost(StepCost):
         return q[i] + (q[min(i + 1, len(q) - 1)] - q[i]) * (x - i)
 
 
+def read_json(path: Path) -> dict:
+    """A JSON file, gzip-compressed or not."""
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+
+
+def fit_calibration(steps: Sequence[tuple[StepShape, float]], per_block_out_s: float, per_block_in_s: float) -> dict:
+    """load_calibration's JSON from measured steps (shape, seconds): fitted as the engine's
+    step-time model does (fixed + per token + per thousand context tokens, none negative), with
+    the measured spread around the fit, and the copies' measured time per block."""
+    model = StepTimeModel(decay=1.0)
+    for shape, seconds in steps:
+        model.observe(shape, seconds)
+    base, per_token, per_kcontext = model.coefficients() if steps else (0.0, 0.0, 0.0)
+    ratios = [seconds / p for shape, seconds in steps if (p := model.predict(shape)) > 0]
+    return {
+        "base_s": base,
+        "per_token_s": per_token,
+        "per_kcontext_s": per_kcontext,
+        "step_time_spread": spread_quantiles(ratios),
+        "per_block_out_s": per_block_out_s,
+        "per_block_in_s": per_block_in_s,
+    }
+
+
+def calibration_from_step_log(log: dict) -> dict:
+    """fit_calibration of a `bench.slo --step-log` run: a step's time runs from the collection
+    of the step before it (or its own planning, if later) to its own collection; the copies'
+    time per block is the same both ways (the log sums them; none in a run without copies)."""
+    s = log["steps"]
+    steps = [
+        (StepShape(s["tokens"][i], s["context"][i]), seconds)
+        for i in range(1, len(s["t"]))
+        if s["seqs"][i] and (seconds := s["done"][i] - max(s["done"][i - 1], s["t"][i])) > 0
+    ]
+    blocks = sum(s["blocks_out"]) + sum(s["blocks_in"])
+    per_block = sum(x or 0.0 for x in s["copy_seconds"]) / blocks if blocks else 0.0
+    return fit_calibration(steps, per_block, per_block)
+
+
 def load_calibration(path: Path, model: ModelSpec, block_size: int) -> CalibratedCost:
     """JSON {"base_s", "per_token_s", "per_seq_s", "per_kcontext_s", optionally "step_time_spread"
     (see CalibratedCost.spread), and per direction either "copy_out_gb_s"/"copy_in_gb_s" or
-    "per_block_out_s"/"per_block_in_s"}; missing step terms are 0."""
-    raw = json.loads(Path(path).read_text())
+    "per_block_out_s"/"per_block_in_s"}; missing step terms are 0. Or a `bench.slo --step-log`
+    file (gzip too), fitted by `calibration_from_step_log`."""
+    raw = read_json(path)
+    if "steps" in raw:
+        raw = calibration_from_step_log(raw)
     raw = raw.get("figures", raw)  # a bench/results record (bench.sim_fidelity) nests it
     raw = raw.get("calibration", raw)
     nbytes = block_bytes(model, block_size)

@@ -163,6 +163,31 @@ def test_fidelity_calibration_keeps_the_spread_around_the_fit():
     assert cal["per_block_out_s"] == pytest.approx(0.001) and cal["per_block_in_s"] == 0.0
 
 
+def test_a_step_log_calibrates_the_simulator(tmp_path):
+    """A `bench.slo --step-log` file (gzip) as --calibration: its steps' times fitted (4 ms + 0.02 ms
+    a token + 1 ms per thousand context tokens, alternately 10% slower and faster), planned while
+    the step before ran (async) or after an idle gap, and its copies' time per block."""
+    import gzip
+
+    steps: dict[str, list[float]] = {k: [] for k in ("t", "done", "tokens", "seqs", "context")}
+    steps |= {"blocks_out": [], "blocks_in": [], "copy_seconds": []}
+    done = 0.0
+    for i in range(300):
+        tokens, context = 1 + (i * 37) % 300, (i * 1009) % 50_000
+        planned = done + (0.5 if i % 50 == 0 else -0.001)  # every 50th after an idle half second
+        done = max(done, planned) + (0.004 + 2e-5 * tokens + 1e-3 * context / 1000) * (1.1, 0.9)[i % 2]
+        for key, value in zip(steps, (planned, done, tokens, tokens, context, 2, 3, 5 * 0.0004), strict=True):
+            steps[key].append(value)
+    path = tmp_path / "steps-rotary-60.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"steps": steps, "requests": {}}).encode()))
+    cost = SimConfig(calibration=path).step_cost()
+    assert isinstance(cost, CalibratedCost)
+    assert cost.base_s == pytest.approx(0.004, rel=0.05) and cost.per_token_s == pytest.approx(2e-5, rel=0.05)
+    assert cost.per_kcontext_s == pytest.approx(1e-3, rel=0.05)
+    assert cost.spread[0] == pytest.approx(0.9, abs=0.02) and cost.spread[-1] == pytest.approx(1.1, abs=0.02)
+    assert cost.per_block_out_s == cost.per_block_in_s == pytest.approx(0.0004)
+
+
 def test_kv_pool_sizing_leaves_out_the_weights():
     config = SimConfig(model="llama-3-8b", hardware="h100", gpu_memory_utilization=0.9)
     blocks = config.num_gpu_blocks_sized()
