@@ -57,6 +57,12 @@ def versions() -> dict[str, str]:
     return out
 
 
+def result_stem(bench: str, device: str, tag: str = "") -> str:
+    """<bench>[-<tag>]-<device>-<date>: the name of a record (and of what goes with it)."""
+    slug = device_name(device).lower().replace(" ", "-")
+    return f"{'-'.join(filter(None, (bench, tag, slug)))}-{dt.date.today().isoformat()}"
+
+
 def write_result(
     bench: str,
     device: str,
@@ -82,7 +88,6 @@ def write_result(
     }
     folder = results_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    slug = name.lower().replace(" ", "-")
-    path = folder / f"{'-'.join(filter(None, (bench, tag, slug)))}-{dt.date.today().isoformat()}.json"
+    path = folder / f"{result_stem(bench, device, tag)}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path

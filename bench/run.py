@@ -44,6 +44,7 @@ GPU = [
         "--duration=15",
         "--gpu-memory-utilization=0.3",
         "--cpu-kv-gib=16",
+        "--step-log=bench/results/steps",
     ],
     ["bench.attn"],
     # compiled on CUDA, gpu-marked or not; compiling dominates: in parallel where pytest-xdist is there

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import math
 import re
@@ -24,7 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.record import write_result
+from superinfer.bench.record import result_stem, write_result
 from superinfer.bench.replay import VirtualClock, replay
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.transfers import summarize_copies
@@ -68,7 +69,8 @@ def write_step_log(
         "output_len": [item.output_len for item in items],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"steps": step_columns, "requests": requests}).replace("NaN", "null"))
+    text = json.dumps({"steps": step_columns, "requests": requests}).replace("NaN", "null")
+    path.write_bytes(gzip.compress(text.encode()))
 
 
 def run_point(
@@ -194,7 +196,7 @@ def main() -> None:
     )
     parser.add_argument("--tag", default="", help="names the record (bench/results/slo-TAG-...)")
     parser.add_argument(
-        "--step-log", type=Path, default=None, help="a folder: each point's steps and requests as JSON there"
+        "--step-log", type=Path, default=None, help="a folder: each point's steps and requests there (gzip JSON)"
     )
     parser.add_argument(
         "--ablation", action="store_true", help="also rotary with --duplex half, serial and --no-write-through"
@@ -256,7 +258,9 @@ def main() -> None:
     points: dict[str, list[dict[str, float]]] = {}
     for name, policy, variant in runs:
         for rate in rates:
-            log = args.step_log / re.sub(r"[^\w.]+", "-", f"steps-{name}-{rate:g}.json") if args.step_log else None
+            label = re.sub(r"[^\w.]+", "-", name).strip("-")  # rotary[no-slo-admission]: rotary-no-slo-admission
+            stem = result_stem("slo", args.device, "-".join(filter(None, (tag, label, f"{rate:g}"))))
+            log = args.step_log / f"{stem}.json.gz" if args.step_log else None
             points.setdefault(name, []).append(run_point(args, policy, rate, log, **variant))
             path = write_result("slo", args.device, {"points": points}, goal, extra, tag)  # kept if a later point dies
     figures = {"points": points}

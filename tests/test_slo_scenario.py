@@ -22,7 +22,8 @@ from superinfer.engine.slo import SLO
 SLO_TARGETS = SLO(ttft_ms=1000, tbt_ms=100)
 
 
-def run_policy(policy: str, step_log: list[dict[str, float]] | None = None) -> tuple[dict[str, float], EngineCore]:
+def run_policy(policy: str, run: dict | None = None) -> tuple[dict[str, float], EngineCore]:
+    """The burst under `policy`; with `run`, its step log, timings and items go there."""
     clock = VirtualClock()
     core = EngineCore(
         EngineConfig(
@@ -31,17 +32,20 @@ def run_policy(policy: str, step_log: list[dict[str, float]] | None = None) -> t
         clock=clock,
     )
     items = burst_workload(SLO_TARGETS, seed=0)
+    step_log = run.setdefault("steps", []) if run is not None else None
     timings, duration = replay(core, items, prompt_tokens(items, core.model_config.vocab_size), step_log=step_log)
+    if run is not None:
+        run.update(timings=timings, items=items)
     assert all(len(t.token_times) == item.output_len for t, item in zip(timings, items, strict=True))
     return summarize(timings, duration), core
 
 
-ROTARY_STEPS: list[dict[str, float]] = []
+ROTARY_RUN: dict = {}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, tuple[dict[str, float], EngineCore]]:
-    return {"fcfs": run_policy("fcfs"), "rotary": run_policy("rotary", ROTARY_STEPS)}
+    return {"fcfs": run_policy("fcfs"), "rotary": run_policy("rotary", ROTARY_RUN)}
 
 
 def test_rotary_meets_ttft_where_fcfs_blocks(results):
@@ -78,7 +82,7 @@ def test_rotation_really_happened_and_nothing_leaked(results):
 
 
 def test_the_step_log_has_every_step_and_the_guards_view(results):
-    core, steps = results["rotary"][1], ROTARY_STEPS
+    core, steps = results["rotary"][1], ROTARY_RUN["steps"]
     assert len(steps) == core.scheduler._step_id
     assert all(s["t"] <= s["done"] for s in steps)
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
@@ -86,6 +90,18 @@ def test_the_step_log_has_every_step_and_the_guards_view(results):
     assert steps[-1]["rotations"] == core.scheduler.counters.rotations
     guarded = [s for s in steps if not math.isnan(s["guard_live"])]
     assert guarded and all(s["guard_fit"] >= 1 and s["guard_live"] >= 1 for s in guarded)
+
+
+def test_the_step_log_file_calibrates_the_simulator(results, tmp_path):
+    from superinfer.bench.slo import write_step_log
+    from superinfer.sim.cost import load_calibration
+    from superinfer.sim.model_spec import load_model_spec
+
+    path = tmp_path / "steps.json.gz"
+    write_step_log(path, ROTARY_RUN["steps"], ROTARY_RUN["timings"], ROTARY_RUN["items"])
+    cost = load_calibration(path, load_model_spec("llama-3-8b"), 16)
+    assert cost.base_s > 0 and len(cost.spread) == 101
+    assert cost.per_block_out_s == cost.per_block_in_s > 0  # the burst rotates: its copies are timed
 
 
 def run_overload(
