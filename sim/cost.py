@@ -96,18 +96,33 @@ def spread_quantiles(ratios: Sequence[float], points: int = 101) -> list[float]:
 
 
 @dataclass(frozen=True)
+class PromptStepCost:
+    """A step that computes prompt tokens, where it costs apart from a decode step (on a GPU it
+    runs op by op, outside the decode graphs): fixed + per token + per thousand context tokens."""
+
+    base_s: float
+    per_token_s: float
+    per_kcontext_s: float
+
+
+@dataclass(frozen=True)
 class CalibratedCost(StepCost):
     per_kcontext_s: float = 0.0  # per thousand tokens attended to (the engine's StepTimeModel form)
     # Measured step time over the fit's prediction, at evenly spaced quantiles: each step draws its
     # ratio from them (seeded), so simulated steps spread like measured ones. Empty: no spread.
     spread: tuple[float, ...] = ()
+    prompt: PromptStepCost | None = None  # None: such steps cost as the rest
     rng: random.Random = field(default_factory=lambda: random.Random(0), compare=False, repr=False)
 
     def compute(self, plan: StepPlan) -> float:
         if not plan.num_seqs:
             return 0.0
-        context = plan.num_context_tokens
-        seconds = super().compute(plan) + self.per_kcontext_s * context / 1000.0
+        kcontext = plan.num_context_tokens / 1000.0
+        p = self.prompt
+        if p is not None and plan.num_tokens > plan.num_seqs:
+            seconds = p.base_s + p.per_token_s * plan.num_tokens + p.per_kcontext_s * kcontext
+        else:
+            seconds = super().compute(plan) + self.per_kcontext_s * kcontext
         return seconds * self._ratio() if self.spread else seconds
 
     def _ratio(self) -> float:
@@ -124,45 +139,64 @@ def read_json(path: Path) -> dict:
     return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
 
 
-def fit_calibration(steps: Sequence[tuple[StepShape, float]], per_block_out_s: float, per_block_in_s: float) -> dict:
-    """load_calibration's JSON from measured steps (shape, seconds): fitted as the engine's
-    step-time model does (fixed + per token + per thousand context tokens, none negative), with
-    the measured spread around the fit, and the copies' measured time per block."""
+def _fitted(steps: Sequence[tuple[StepShape, float]]) -> StepTimeModel:
     model = StepTimeModel(decay=1.0)
     for shape, seconds in steps:
         model.observe(shape, seconds)
+    return model
+
+
+def fit_calibration(
+    steps: Sequence[tuple[StepShape, float]],
+    per_block_out_s: float,
+    per_block_in_s: float,
+    prompt_steps: Sequence[tuple[StepShape, float]] = (),
+) -> dict:
+    """load_calibration's JSON from measured steps (shape, seconds): fitted as the engine's
+    step-time model does (fixed + per token + per thousand context tokens, none negative), the
+    `prompt_steps` apart when given (those computing prompt tokens), with the measured spread
+    around the fits, and the copies' measured time per block."""
+    model = _fitted(steps)
     base, per_token, per_kcontext = model.coefficients() if steps else (0.0, 0.0, 0.0)
+    out: dict = {"base_s": base, "per_token_s": per_token, "per_kcontext_s": per_kcontext}
     ratios = [seconds / p for shape, seconds in steps if (p := model.predict(shape)) > 0]
-    return {
-        "base_s": base,
-        "per_token_s": per_token,
-        "per_kcontext_s": per_kcontext,
+    if prompt_steps:
+        prompt = _fitted(prompt_steps)
+        out["prompt_step"] = dict(zip(("base_s", "per_token_s", "per_kcontext_s"), prompt.coefficients(), strict=True))
+        ratios += [seconds / p for shape, seconds in prompt_steps if (p := prompt.predict(shape)) > 0]
+    out |= {
         "step_time_spread": spread_quantiles(ratios),
         "per_block_out_s": per_block_out_s,
         "per_block_in_s": per_block_in_s,
     }
+    return out
 
 
 def calibration_from_step_log(log: dict) -> dict:
-    """fit_calibration of a `bench.slo --step-log` run: a step's time runs from the collection
-    of the step before it (or its own planning, if later) to its own collection; the copies'
-    time per block is the same both ways (the log sums them; none in a run without copies)."""
+    """fit_calibration of a `bench.slo --step-log` run, the steps with prompt tokens apart (on a
+    GPU they run op by op: ~23 ms on an H100 for Llama-3-8B whatever their tokens, where a decode
+    step replays a graph): a step's time runs from the collection of the step before it (or its own
+    planning, if later) to its own collection; the copies' time per block is the same both ways
+    (the log sums them; none in a run without copies)."""
     s = log["steps"]
-    steps = [
-        (StepShape(s["tokens"][i], s["context"][i]), seconds)
-        for i in range(1, len(s["t"]))
-        if s["seqs"][i] and (seconds := s["done"][i] - max(s["done"][i - 1], s["t"][i])) > 0
-    ]
+    decodes: list[tuple[StepShape, float]] = []
+    prompts: list[tuple[StepShape, float]] = []
+    for i in range(1, len(s["t"])):
+        seconds = s["done"][i] - max(s["done"][i - 1], s["t"][i])
+        if s["seqs"][i] and seconds > 0:
+            steps = prompts if s["tokens"][i] > s["seqs"][i] else decodes
+            steps.append((StepShape(s["tokens"][i], s["context"][i]), seconds))
     blocks = sum(s["blocks_out"]) + sum(s["blocks_in"])
     per_block = sum(x or 0.0 for x in s["copy_seconds"]) / blocks if blocks else 0.0
-    return fit_calibration(steps, per_block, per_block)
+    return fit_calibration(decodes, per_block, per_block, prompts)
 
 
 def load_calibration(path: Path, model: ModelSpec, block_size: int) -> CalibratedCost:
     """JSON {"base_s", "per_token_s", "per_seq_s", "per_kcontext_s", optionally "step_time_spread"
     (see CalibratedCost.spread), and per direction either "copy_out_gb_s"/"copy_in_gb_s" or
-    "per_block_out_s"/"per_block_in_s"}; missing step terms are 0. Or a `bench.slo --step-log`
-    file (gzip too), fitted by `calibration_from_step_log`."""
+    "per_block_out_s"/"per_block_in_s", and optionally "prompt_step": {"base_s", "per_token_s",
+    "per_kcontext_s"} for steps that compute prompt tokens}; missing step terms are 0. Or a
+    `bench.slo --step-log` file (gzip too), fitted by `calibration_from_step_log`."""
     raw = read_json(path)
     if "steps" in raw:
         raw = calibration_from_step_log(raw)
@@ -183,6 +217,7 @@ def load_calibration(path: Path, model: ModelSpec, block_size: int) -> Calibrate
         per_seq_s=float(raw.get("per_seq_s", 0.0)),
         per_kcontext_s=float(raw.get("per_kcontext_s", 0.0)),
         spread=tuple(float(r) for r in raw.get("step_time_spread", ())),
+        prompt=PromptStepCost(**raw["prompt_step"]) if "prompt_step" in raw else None,
         per_block_out_s=per_block("out"),
         per_block_in_s=per_block("in"),
     )

@@ -164,19 +164,23 @@ def test_fidelity_calibration_keeps_the_spread_around_the_fit():
 
 
 def test_a_step_log_calibrates_the_simulator(tmp_path):
-    """A `bench.slo --step-log` file (gzip) as --calibration: its steps' times fitted (4 ms + 0.02 ms
-    a token + 1 ms per thousand context tokens, alternately 10% slower and faster), planned while
-    the step before ran (async) or after an idle gap, and its copies' time per block."""
+    """A `bench.slo --step-log` file (gzip) as --calibration: its decode steps' times fitted (4 ms +
+    0.02 ms a token + 1 ms per thousand context tokens) apart from those with prompt tokens (20 ms +
+    0.005 ms a token: op by op on a GPU), all alternately 10% slower and faster, planned while the
+    step before ran (async) or after an idle gap; and its copies' time per block."""
     import gzip
 
     steps: dict[str, list[float]] = {k: [] for k in ("t", "done", "tokens", "seqs", "context")}
     steps |= {"blocks_out": [], "blocks_in": [], "copy_seconds": []}
     done = 0.0
-    for i in range(300):
-        tokens, context = 1 + (i * 37) % 300, (i * 1009) % 50_000
+    for i in range(600):
+        tokens, context = 1 + (i * 37) % 300, (i * 1009) % 5_000
+        prompt = i % 3 == 0
+        seqs = tokens // 4 + 1 if prompt and tokens > 1 else tokens
+        cost = 0.020 + 5e-6 * tokens if seqs < tokens else 0.004 + 2e-5 * tokens + 1e-3 * context / 1000
         planned = done + (0.5 if i % 50 == 0 else -0.001)  # every 50th after an idle half second
-        done = max(done, planned) + (0.004 + 2e-5 * tokens + 1e-3 * context / 1000) * (1.1, 0.9)[i % 2]
-        for key, value in zip(steps, (planned, done, tokens, tokens, context, 2, 3, 5 * 0.0004), strict=True):
+        done = max(done, planned) + cost * (1.1, 0.9)[i // 3 % 2]  # (each kind of step alternates)
+        for key, value in zip(steps, (planned, done, tokens, seqs, context, 2, 3, 5 * 0.0004), strict=True):
             steps[key].append(value)
     path = tmp_path / "steps-rotary-60.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"steps": steps, "requests": {}}).encode()))
@@ -184,8 +188,13 @@ def test_a_step_log_calibrates_the_simulator(tmp_path):
     assert isinstance(cost, CalibratedCost)
     assert cost.base_s == pytest.approx(0.004, rel=0.05) and cost.per_token_s == pytest.approx(2e-5, rel=0.05)
     assert cost.per_kcontext_s == pytest.approx(1e-3, rel=0.05)
-    assert cost.spread[0] == pytest.approx(0.9, abs=0.02) and cost.spread[-1] == pytest.approx(1.1, abs=0.02)
+    assert cost.prompt is not None and cost.prompt.base_s == pytest.approx(0.020, rel=0.05)
+    assert cost.prompt.per_token_s == pytest.approx(5e-6, rel=0.1)
+    assert cost.spread[0] == pytest.approx(0.9, abs=0.05) and cost.spread[-1] == pytest.approx(1.1, abs=0.05)
     assert cost.per_block_out_s == cost.per_block_in_s == pytest.approx(0.0004)
+    flat = dataclasses.replace(cost, spread=())
+    assert flat.compute(plan((0, 100))) == pytest.approx(0.020 + 5e-6 * 100, rel=0.05)  # a prompt chunk
+    assert flat.compute(plan((0, 1), (999, 1))) == pytest.approx(0.004 + 4e-5 + 1e-3, rel=0.05)  # two decodes
 
 
 def test_kv_pool_sizing_leaves_out_the_weights():
