@@ -114,9 +114,20 @@ def replay(
     return timings, clock() - start
 
 
+# Every (mode, reason) of a preemption (SchedulerCounters), so each step-log line has them all.
+PREEMPTIONS = (
+    ("swap", "policy"),
+    ("swap", "gpu_full"),
+    ("recompute", "gpu_full"),
+    ("recompute", "cpu_full"),
+    ("recompute", "transfer_budget"),
+)
+
+
 def step_entry(core: EngineCore, plan: StepPlan, t: float) -> dict[str, float]:
     """A step-log line at planning time `t` (seconds into the run): the step's shape and copies,
-    the queues it left, the scheduler's counters so far and the TBT guard's view (NaN without one)."""
+    the queues it left, the scheduler's counters so far (preemptions by mode and reason too) and
+    the TBT guard's view (NaN without one)."""
     sched, counters = core.scheduler, core.scheduler.counters
     guard = sched.last_guard
     return {
@@ -132,6 +143,7 @@ def step_entry(core: EngineCore, plan: StepPlan, t: float) -> dict[str, float]:
         "free_blocks": sched.kv.num_free_blocks,
         "rotations": counters.rotations,
         "recomputes": counters.preemptions["recompute"],
+        **{f"{mode}_{why}": counters.preemption_reasons.get((mode, why), 0) for mode, why in PREEMPTIONS},
         "guard_held_steps": counters.guard_held_steps,
         "guard_overdue_steps": counters.guard_overdue_steps,
         "guard_new_requests": guard.new_requests if guard else math.nan,

@@ -88,6 +88,7 @@ def test_the_step_log_has_every_step_and_the_guards_view(results):
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
     assert sum(s["blocks_out"] for s in steps) > 0 and sum(s["blocks_in"] for s in steps) > 0
     assert steps[-1]["rotations"] == core.scheduler.counters.rotations
+    assert steps[-1]["swap_policy"] + steps[-1]["swap_gpu_full"] == core.scheduler.counters.preemptions["swap"]
     guarded = [s for s in steps if not math.isnan(s["guard_live"])]
     assert guarded and all(s["guard_fit"] >= 1 and s["guard_live"] >= 1 for s in guarded)
 
