@@ -32,14 +32,14 @@ GPU_TESTS = ("gpu", "sampler", "model", "moe", "fused_kernels")
 # Most telling first: a short lease may end before the last. The tests are the files that collect
 # without the operator's packages (a GPU machine may have only the engine's).
 GPU = [
-    ["bench.step", "--device", "cuda", "--batches", "1,16,64,128,256"],
-    # the paper's top rate, where fcfs's queue blocks (and rotary without its TBT guard): each point
-    # builds an engine (~1 minute on an H100 with the drain; a CPU tier sized from that host's memory
-    # would take minutes to pin)
+    ["bench.step", "--device", "cuda", "--batches", "1,16,64,128,256", "--piecewise-graphs"],
+    # the paper's top rate, where fcfs's queue blocks, both policies with and without the piecewise
+    # graphs: each point builds an engine (~1 minute on an H100 with the drain; a CPU tier sized from
+    # that host's memory would take minutes to pin)
     [
         "bench.slo",
         "--device=cuda",
-        "--policies=rotary,fcfs,rotary[no-slo-admission]",
+        "--policies=rotary,fcfs,rotary[piecewise-graphs],fcfs[piecewise-graphs]",
         "--rates=60",
         "--duration=15",
         "--gpu-memory-utilization=0.3",

@@ -42,8 +42,13 @@ ABLATION = {
     "rotary[duplex=serial]": {"duplex": "serial"},
     "rotary[no-write-through]": {"write_through": False},
 }
-# Also named in --policies: rotary without its TBT guard (SLO-aware admission).
-VARIANTS = ABLATION | {"rotary[no-slo-admission]": {"slo_admission": False}}
+# Also named in --policies: rotary without its TBT guard (SLO-aware admission), and either policy
+# with steps of prompt tokens through piecewise CUDA graphs.
+VARIANTS = ABLATION | {
+    "rotary[no-slo-admission]": {"slo_admission": False},
+    "rotary[piecewise-graphs]": {"piecewise_graphs": True},
+    "fcfs[piecewise-graphs]": {"piecewise_graphs": True},
+}
 
 
 def step_phases(registry: CollectorRegistry) -> dict[str, float]:
@@ -130,11 +135,13 @@ def run_point(
         report[f"swap_gb_s_{direction}"] = moved / duration / 1e9
     # (the replay count, not the graphs: they hold the model and cache, which the cleanup below frees)
     replays = core.runner.graphs.replays if core.runner.graphs is not None else None
+    piecewise = core.runner.piecewise.replays if core.runner.piecewise is not None else 0
     report.update(
         rate=rate,
         steps=len(copies),
         # on a GPU, the decode-only steps replayed as CUDA graphs; the rest (prefill chunks) ran op by op
         graph_step_share=replays / max(1, len(copies)) if replays is not None else 0.0,
+        piecewise_step_share=piecewise / max(1, len(copies)),  # the steps with prompt tokens in piecewise graphs
         rotations=counters.rotations,
         rotations_per_request=counters.rotations / max(1.0, report["requests"]),
         recomputes=counters.preemptions["recompute"],
@@ -153,7 +160,8 @@ def run_point(
         f"TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput {report['throughput_tok_s']:.0f} tok/s  "
         f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)  "
         f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}  "
-        f"graph steps {report['graph_step_share']:.0%} of {len(copies)}  guard held/capped "
+        f"graph steps {report['graph_step_share']:.0%} (piecewise {report['piecewise_step_share']:.0%}) "
+        f"of {len(copies)}  guard held/capped "
         f"{report['guard_held_step_share']:.0%} (overdue {report['guard_overdue_step_share']:.0%})/"
         f"{report['guard_capped_step_share']:.0%} of steps, step model off by "
         f"{report['step_model_error']:.0%}; ms a step: {phases}",
@@ -231,7 +239,10 @@ def main() -> None:
         args.max_prompt, args.max_output = min(args.max_prompt, 256), min(args.max_output, 512)
 
     rates = [float(r) for r in args.rates.split(",")]
-    runs = [(p, "rotary", VARIANTS[p]) if p in VARIANTS else (p, p, {}) for p in args.policies.split(",")]
+    policies = args.policies.split(",")
+    if unknown := [p for p in policies if "[" in p and p not in VARIANTS]:
+        parser.error(f"unknown variant {', '.join(unknown)}: the variants are {', '.join(VARIANTS)}")
+    runs = [(p, p.partition("[")[0], VARIANTS.get(p, {})) for p in policies]
     if args.ablation:
         runs += [(name, "rotary", v) for name, v in ABLATION.items()]
     goal = {

@@ -4,12 +4,13 @@ Decode: B requests at a given context length; the time per step against the roof
 (weight bytes + KV bytes read) / measured HBM bandwidth: with async scheduling and CUDA graphs
 (the defaults on a GPU), without the graphs (`_eager`), and without async scheduling (`_sync`).
 Mixed: the same decodes with a new prompt of --mixed-chunk tokens arriving before each step, the
-shape of a step under a steady stream of arrivals (the graphs cover decode-only steps: a mixed step
-runs op by op), against the decode step.
+shape of a step under a steady stream of arrivals (the decode graphs cover decode-only steps: a
+mixed step runs op by op, or with --piecewise-graphs through those graphs and again op by op,
+`_op_by_op`), against the decode step.
 Prefill: tokens per second and the share of bf16 peak (2 x active parameters x tokens FLOPs).
 
     python -m bench.step --device cuda --model llama-3-8b [--batches 1,16,64,256] [--context 2048]
-    python -m bench.step --device cpu --model tiny --batches 1,8 --context 128   # smoke run
+    python -m bench.step --device cpu --model tiny --batches 1,8 --context 128 --prefill-tokens 1024   # smoke run
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--mixed-chunk", type=int, default=256, help="prompt tokens beside each mixed step's decodes")
+    parser.add_argument(
+        "--piecewise-graphs",
+        action="store_true",
+        help="mixed steps through the piecewise CUDA graphs, and again without them (`_op_by_op`)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     core = EngineCore(
@@ -122,6 +128,7 @@ def main() -> None:
             max_model_len=max(2 * args.context, args.context + 512, args.prefill_tokens) + 8,
             gpu_memory_utilization=0.92,
             enforce_eager=args.enforce_eager,
+            piecewise_graphs=args.piecewise_graphs,
         )
     )
     mc = core.model_config
@@ -129,7 +136,7 @@ def main() -> None:
     kv_per_token = mc.kv_bytes_per_token(core.dtype.itemsize)
     bw = hbm_bandwidth(device)
     figures: dict[str, float] = {"hbm_gb_s_measured": bw / 1e9, "weight_gb": weight_bytes / 1e9}
-    graphs = core.runner.graphs
+    graphs, piecewise = core.runner.graphs, core.runner.piecewise
     decode(core, 2, 64, 2, True)  # warm-up: every kernel compiled before anything is timed
     for b in (int(x) for x in args.batches.split(",")):
         prefill_steps = -(-b * args.context // core.scheduler.config.max_num_batched_tokens)
@@ -154,15 +161,18 @@ def main() -> None:
                 flush=True,
             )
         core.runner.graphs = graphs
-        if args.mixed_chunk:
+        modes = [("", piecewise), ("_op_by_op", None)] if piecewise is not None else [("", None)]
+        for suffix, pieces in modes if args.mixed_chunk else []:
+            core.runner.piecewise = pieces
             seconds, _ = decode(core, b, args.context, args.steps, True, args.mixed_chunk)
-            figures[f"mixed_b{b}_ms"] = 1000 * seconds
-            figures[f"mixed_b{b}_over_decode"] = 1000 * seconds / figures[f"decode_b{b}_ms"]
+            figures[f"mixed_b{b}_ms{suffix}"] = 1000 * seconds
+            figures[f"mixed_b{b}_over_decode{suffix}"] = 1000 * seconds / figures[f"decode_b{b}_ms"]
             print(
-                f"mixed  B={b:4d} + {args.mixed_chunk}-token prompt: {1000 * seconds:8.2f} ms/step "
-                f"({figures[f'mixed_b{b}_over_decode']:.2f}x the decode step)",
+                f"mixed  B={b:4d} + {args.mixed_chunk}-token prompt{' (piecewise graphs)' if pieces else ''}: "
+                f"{1000 * seconds:8.2f} ms/step ({figures[f'mixed_b{b}_over_decode{suffix}']:.2f}x the decode step)",
                 flush=True,
             )
+        core.runner.piecewise = piecewise
     seconds = prefill(core, args.prefill_tokens)
     flops = 2 * mc.num_active_params() * args.prefill_tokens  # MoE: the top-k experts
     figures["prefill_tok_s"] = args.prefill_tokens / seconds
@@ -178,6 +188,7 @@ def main() -> None:
         "dtype": str(core.dtype).split(".")[-1],
         "attention": core.runner.attention_backend,
         "cuda_graphs": graphs is not None,
+        "piecewise_graphs": piecewise is not None,
         "mixed_chunk": args.mixed_chunk,
     }
     print(f"wrote {write_result('step', args.device, figures, goal, extra)}")

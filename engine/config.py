@@ -106,6 +106,11 @@ class EngineConfig(BaseModel):
         description="run every step op by op; otherwise, on one GPU with the triton attention, decode steps replay "
         "a CUDA graph captured at startup for each padded batch size",
     )
+    piecewise_graphs: bool = Field(
+        False,
+        description="also capture, per padded token count, the forward between attention calls as CUDA graphs, "
+        "for steps with prompt tokens (attention runs op by op between them); not yet measured on a GPU",
+    )
 
     # Scheduler
     policy: Literal["fcfs", "rotary", "watermark"] = "fcfs"

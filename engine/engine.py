@@ -159,6 +159,8 @@ class EngineCore:
         )
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+            if config.piecewise_graphs:
+                self.runner.capture_piecewise_graphs(config.max_num_batched_tokens)
         if self.device.type == "cuda" and tp.size == 1:  # (ranks would all have to run it)
             self.runner.warm_up()
         ranks = [memory]

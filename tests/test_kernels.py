@@ -360,6 +360,33 @@ def test_decode_graphs_give_the_op_by_op_tokens(async_scheduling: bool) -> None:
     assert graphs.replays == replays + 3
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_piecewise_graphs_give_the_op_by_op_tokens(async_scheduling: bool) -> None:
+    """Steps with prompt tokens through the piecewise graphs' static buffers (replayed on CUDA;
+    without CUDA the same pieces run op by op): prompt chunks beside decodes, padded to 8 or 16
+    tokens, a step past the largest count (op by op), the decode graphs beside them; the tokens of
+    op-by-op steps."""
+    from superinfer.engine.worker.cuda_graphs import DecodeGraphs
+    from superinfer.engine.worker.piecewise_graphs import PiecewiseGraphs, graph_token_counts
+
+    assert graph_token_counts(100) == [16, 32, 64, 100]
+    assert graph_token_counts(2048)[-1] == 2048 and graph_token_counts(100_000)[-1] == 8192
+    prompts = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000], [7, 8], list(range(300, 320)), [9]]
+    tokens = [6, 9, 3, 7, 5]
+    core = _engine("triton", async_scheduling=async_scheduling)
+    with torch.inference_mode():
+        runner = core.runner
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.scale, 64, [1, 2, 4])
+        piecewise = runner.piecewise = PiecewiseGraphs(runner.model, [8, 16], DEVICE)
+    eager = _engine("triton", enforce_eager=True)
+    assert _greedy(core, prompts, tokens) == _greedy(eager, prompts, tokens)
+    assert piecewise.replays > 0
+    replays = piecewise.replays
+    long = [list(range(400, 420))]  # 20 prompt tokens in one step: past 16, op by op
+    assert _greedy(core, long, [3]) == _greedy(eager, long, [3])
+    assert piecewise.replays == replays  # its decodes went to the decode graphs
+
+
 def test_kernels_compile_for_a_gpu_without_one(tmp_path) -> None:
     """The engine's launches (bf16, Llama-3-8B heads) compiled for sm_90 down to a cubin, in a
     process of its own (this one has the interpreted kernels) with an empty Triton cache."""

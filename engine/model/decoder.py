@@ -236,16 +236,19 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.rope: Callable[[Tensor, Tensor, Tensor], Tensor] = apply_rope  # or FusedKernels.rope
 
-    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What attention takes: q [T, heads, head_dim], k and v [T, kv_heads, head_dim]."""
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.qk_width].view(t, heads + kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         q, k = self.rope(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation for both
-        v = qkv[:, self.qk_width :].view(t, kv_heads, self.head_dim)
-        out = attn(layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return q, k, qkv[:, self.qk_width :].view(t, kv_heads, self.head_dim)
+
+    def output(self, out: Tensor) -> Tensor:
+        """Attention's output [T, heads, head_dim] projected back to the hidden size."""
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
@@ -280,12 +283,22 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it): the stream is the sum of the
         embedding and every attention and MLP output so far; each add is folded into the norm
         that reads it (`RMSNorm.add`). The first layer gets h = the embedding, residual None."""
+        q, k, v, residual = self.attention_inputs(h, residual, cos, sin)
+        return self.after_attention(attn(self.index, q, k, v), residual)
+
+    def attention_inputs(
+        self, h: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The layer up to its attention: q, k, v and the residual stream (forward's first half)."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm.add(h, residual)
-        h = self.self_attn(self.index, x, cos, sin, attn)
-        x, residual = self.post_attention_layernorm.add(h, residual)
+        return *self.self_attn.qkv(x, cos, sin), residual
+
+    def after_attention(self, out: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer from its attention's output on (forward's second half)."""
+        x, residual = self.post_attention_layernorm.add(self.self_attn.output(out), residual)
         return self.mlp(x), residual
 
 

@@ -33,6 +33,7 @@ from superinfer.engine.worker.attention import SeqSpan, attention_backend
 from superinfer.engine.worker.block_rows import BlockRows
 from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies, tier_boundary
+from superinfer.engine.worker.piecewise_graphs import PiecewiseGraphs, graph_token_counts
 from superinfer.engine.worker.sampling import GrammarMasks, SampledLogprobs, sample
 from superinfer.engine.worker.streams import Access, Block, CudaStreams, HostStreams, Streams
 from superinfer.engine.worker.token_history import TokenHistories
@@ -239,15 +240,13 @@ class ModelRunner:
         self._masker: ThreadPoolExecutor | None = None  # fills grammar masks during the forward
         self._previous: SubmittedStep | None = None  # whose sampled tokens fill the next placeholders
         self.graphs: DecodeGraphs | None = None  # see capture_decode_graphs
+        self.piecewise: PiecewiseGraphs | None = None  # see capture_piecewise_graphs
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture a CUDA graph of the decode forward for each padded batch size up to `max_num_seqs`
         (cuda_graphs.py) where the step allows it: on CUDA, with the Triton attention, on one GPU,
         without MoE layers (their routing reads expert counts on the host)."""
-        if self.device.type != "cuda" or self.attention_backend != "triton":
-            return
-        if self.tp.size > 1 or any(isinstance(m, SparseMoE) for m in self.model.modules()):
-            log.info("CUDA graphs off: they need one GPU and a model without MoE layers")
+        if not self._graphs_allowed():
             return
         from superinfer.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
@@ -262,6 +261,35 @@ class ModelRunner:
                 "more memory, --max-num-seqs bounds the largest graph, and --enforce-eager runs without them"
             ) from e
         log.info("CUDA graphs of decode steps of %s rows, captured in %.1f s", sizes, time.perf_counter() - t0)
+
+    def capture_piecewise_graphs(self, max_num_batched_tokens: int) -> None:
+        """Capture the forward between attention calls as CUDA graphs per padded token count up
+        to `max_num_batched_tokens` (piecewise_graphs.py), for the steps no decode graph runs,
+        where the step allows graphs (as capture_decode_graphs)."""
+        if not self._graphs_allowed():
+            return
+        counts = graph_token_counts(max_num_batched_tokens)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self.piecewise = PiecewiseGraphs(self.model, counts, self.device)
+        except RuntimeError as e:  # out of memory included
+            raise RuntimeError(
+                f"capturing piecewise CUDA graphs failed ({e}); a lower --gpu-memory-utilization or "
+                "--max-num-batched-tokens leaves them more memory, and without --piecewise-graphs steps with "
+                "prompt tokens run op by op"
+            ) from e
+        log.info("piecewise CUDA graphs of %s tokens, captured in %.1f s", counts, time.perf_counter() - t0)
+
+    def _graphs_allowed(self) -> bool:
+        """On CUDA, with the Triton attention, on one GPU, without MoE layers (their routing reads
+        expert counts on the host)."""
+        if self.device.type != "cuda" or self.attention_backend != "triton":
+            return False
+        if self.tp.size > 1 or any(isinstance(m, SparseMoE) for m in self.model.modules()):
+            log.info("CUDA graphs off: they need one GPU and a model without MoE layers")
+            return False
+        return True
 
     def warm_up(self) -> None:
         """Run one step op by op, a prompt chunk beside a decode, before serving: on CUDA Triton
@@ -353,7 +381,9 @@ class ModelRunner:
         hidden = self.graphs.run(input_ids, x.positions, x.spans) if self.graphs and x.decode_only else None
         if hidden is None:
             attn = self.attention(x.spans, self.kv_cache, self.scale)
-            hidden = self.model(input_ids, self._tensor(x.positions), attn)
+            hidden = self.piecewise.run(input_ids, x.positions, attn) if self.piecewise else None
+            if hidden is None:
+                hidden = self.model(input_ids, self._tensor(x.positions), attn)
             if x.prompt_rows:
                 self._score_prompts(hidden, x, step)
             if not sampling:
