@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from superinfer.engine.worker.cuda_graphs import DecodeGraphs  # imports triton
 
 log = logging.getLogger("superinfer.runner")
+T = TypeVar("T")
 
 THREADED_MASK_ROWS = 8  # from this many rows under a grammar, their masks fill during the forward
 
@@ -251,16 +253,12 @@ class ModelRunner:
         from superinfer.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
         sizes = graph_batch_sizes(max_num_seqs)
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(self.model, self.kv_cache, self.scale, max_model_len, sizes)
-        except RuntimeError as e:  # out of memory included
-            raise RuntimeError(
-                f"capturing CUDA graphs of decode steps failed ({e}); a lower --gpu-memory-utilization leaves them "
-                "more memory, --max-num-seqs bounds the largest graph, and --enforce-eager runs without them"
-            ) from e
-        log.info("CUDA graphs of decode steps of %s rows, captured in %.1f s", sizes, time.perf_counter() - t0)
+        self.graphs = self._capture(
+            f"CUDA graphs of decode steps of {sizes} rows",
+            lambda: DecodeGraphs(self.model, self.kv_cache, self.scale, max_model_len, sizes),
+            "a lower --gpu-memory-utilization leaves them more memory, --max-num-seqs bounds the largest graph, "
+            "and --enforce-eager runs without them",
+        )
 
     def capture_piecewise_graphs(self, max_num_batched_tokens: int) -> None:
         """Capture the forward between attention calls as CUDA graphs per padded token count up
@@ -269,17 +267,22 @@ class ModelRunner:
         if not self._graphs_allowed():
             return
         counts = graph_token_counts(max_num_batched_tokens)
+        self.piecewise = self._capture(
+            f"piecewise CUDA graphs of {counts} tokens",
+            lambda: PiecewiseGraphs(self.model, counts, self.device),
+            "a lower --gpu-memory-utilization or --max-num-batched-tokens leaves them more memory, and without "
+            "--piecewise-graphs steps with prompt tokens run op by op",
+        )
+
+    def _capture(self, what: str, build: Callable[[], T], advice: str) -> T:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                self.piecewise = PiecewiseGraphs(self.model, counts, self.device)
+                captured = build()
         except RuntimeError as e:  # out of memory included
-            raise RuntimeError(
-                f"capturing piecewise CUDA graphs failed ({e}); a lower --gpu-memory-utilization or "
-                "--max-num-batched-tokens leaves them more memory, and without --piecewise-graphs steps with "
-                "prompt tokens run op by op"
-            ) from e
-        log.info("piecewise CUDA graphs of %s tokens, captured in %.1f s", counts, time.perf_counter() - t0)
+            raise RuntimeError(f"capturing {what} failed ({e}); {advice}") from e
+        log.info("%s captured in %.1f s", what, time.perf_counter() - t0)
+        return captured
 
     def _graphs_allowed(self) -> bool:
         """On CUDA, with the Triton attention, on one GPU, without MoE layers (their routing reads
