@@ -74,6 +74,8 @@ SERVE_FLAGS = (
     "--attention-backend",
     "--enforce-eager",
     "--no-enforce-eager",
+    "--piecewise-graphs",
+    "--no-piecewise-graphs",
     "--policy",
     "--max-num-seqs",
     "--max-num-batched-tokens",
