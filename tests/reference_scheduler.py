@@ -173,7 +173,7 @@ class ReferenceScheduler:
         if capped:
             step.budget = decision.token_budget
         self.counters.guard_held_steps += decision.held > 0
-        self.counters.guard_overdue_steps += decision.held > 0 and decision.held_overdue
+        self.counters.guard_overdue_steps += decision.held > 0 and decision.guard is not None and decision.guard.overdue
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running

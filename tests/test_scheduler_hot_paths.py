@@ -95,7 +95,6 @@ class ReferenceRotaryPolicy(RotaryPolicy):
             new = [r for r in waiting if r.t_first_token is None]
             held = {id(r) for r in new[guard.new_requests :]}
             waiting = [r for r in waiting if id(r) not in held]
-        overdue = bool(held) and guard is not None and guard.overdue
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *by_arrival(sched.rotary)]
@@ -113,7 +112,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
             if total > free:
                 break
         else:
-            return Decision(admit=by_arrival(others), token_budget=budget, held=len(held), held_overdue=overdue)
+            return Decision(admit=by_arrival(others), token_budget=budget, held=len(held), guard=guard)
 
         vlt = {r.request_id: virtual_lag_time(r, now, p) for r in [*sched.running, *others]}
         ranked = sorted([*sched.running, *others], key=lambda r: (-r.priority, r.tbt_missed, -vlt[r.request_id]))
@@ -142,7 +141,7 @@ class ReferenceRotaryPolicy(RotaryPolicy):
                 rotate_out.append(r)
                 to_free -= kv.owned_blocks(r)
         return Decision(
-            rotate_out, admit + patient, strict_order=False, token_budget=budget, held=len(held), held_overdue=overdue
+            rotate_out, admit + patient, strict_order=False, token_budget=budget, held=len(held), guard=guard
         )
 
 

@@ -39,7 +39,6 @@ class Decision:
     strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
     token_budget: int | None = None  # a tighter token budget for this step than the configured one
     held: int = 0  # new requests the TBT guard kept out of this step's admission (TBTGuard.new_requests)
-    held_overdue: bool = False  # ... all of them, as a streaming request had waited its whole turn
     guard: TBTGuard | None = None  # the TBT guard's view this step, when the policy has one
     # Admitted after `admit` into what is left, best first by the policy's `rank`, each skipped if
     # it does not fit (never in strict order): the scheduler ranks only those that may fit.
@@ -445,12 +444,11 @@ class RotaryPolicy:
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
         waiting, waiting_slots, held = _unheld_waiting(sched, guard)
-        overdue = held > 0 and guard is not None and guard.overdue
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
         if not others:  # nothing to admit: no contention
-            return Decision(token_budget=budget, held=held, held_overdue=overdue, guard=guard)
+            return Decision(token_budget=budget, held=held, guard=guard)
         free = kv.num_free_blocks - _growth_blocks(sched, by_row)
         taken: dict[str, int] = {}
 
@@ -465,7 +463,7 @@ class RotaryPolicy:
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
-            return Decision(admit=by_arrival(others), token_budget=budget, held=held, held_overdue=overdue, guard=guard)
+            return Decision(admit=by_arrival(others), token_budget=budget, held=held, guard=guard)
 
         # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
         # displaces a running one (a lost request bounced in and out costs two copies per token).
@@ -533,7 +531,6 @@ class RotaryPolicy:
             token_budget=budget,
             patient=patient,
             held=held,
-            held_overdue=overdue,
             guard=guard,
         )
 

@@ -369,7 +369,8 @@ class Scheduler:
             step.budget = decision.token_budget
         if decision.held:
             self.counters.guard_held_steps += 1
-            self.counters.guard_overdue_steps += decision.held_overdue
+            # (all of them, as a streaming request had waited its whole turn)
+            self.counters.guard_overdue_steps += decision.guard is not None and decision.guard.overdue
         left: list[Request] = []  # (out of `running` at once: a wave rotates out hundreds)
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy", left):
