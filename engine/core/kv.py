@@ -66,6 +66,15 @@ def block_hashes(parent: bytes, tokens: Sequence[int], block_size: int) -> list[
     return hashes
 
 
+def _before_copying(block_ids: list[int], first: int, n: int, copying: dict[int, int]) -> int:
+    """How many of the n blocks from block_ids[first] come before the first one an unfinished copy
+    touches (a write-through stops there)."""
+    k = 0
+    while k < n and block_ids[first + k] not in copying:
+        k += 1
+    return k
+
+
 UNHASHED = b"unhashed"  # hash_of a block in an _UnhashedRun (a real hash has 16 bytes)
 
 
@@ -624,10 +633,7 @@ class KVCacheManager:
         total = 0
         for req, first, n in targets:
             if copying:
-                block_ids, k = req.block_ids, 0
-                while k < n and block_ids[first + k] not in copying:
-                    k += 1
-                n = k
+                n = _before_copying(req.block_ids, first, n, copying)
             if n:
                 planned.append((req, first, n))
                 total += n
@@ -690,10 +696,7 @@ class KVCacheManager:
                 start = max(first, prompt_full)
                 n = max(0, min(full - start, limit - len(hashes)))
                 if copying:
-                    k = 0
-                    while k < n and block_ids[start + k] not in copying:
-                        k += 1
-                    n = k
+                    n = _before_copying(block_ids, start, n, copying)
                 hashes += repeat(None, n)
             if len(hashes) > before:
                 planned.append((req, first, len(hashes) - before))
