@@ -27,6 +27,7 @@ import torch
 
 from superinfer.engine.worker.attention import SeqSpan
 from superinfer.engine.worker.device_tensor import device_tensor
+from superinfer.engine.worker.graph_capture import capture
 from superinfer.engine.worker.triton_attention import TritonPagedAttention, token_slots
 from superinfer.kernels.common import block_table, cdiv, int32_tensor, to_device
 from superinfer.kernels.paged_decode import DecodeBatch, split_size
@@ -73,16 +74,7 @@ class DecodeGraphs:
             forward = self.forwards[size] = partial(model, self.input_ids[:size], self.positions[:size], attn)
             if device.type != "cuda":
                 continue
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up: kernels compiled, library handles made, outside the graph
-                forward()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[size] = forward()
-            pool = graph.pool()
-            self.graphs[size] = graph
+            (self.graphs[size],), (self.hidden[size],), pool = capture([forward], device, pool)
 
     def run(self, input_ids: torch.Tensor, positions: Sequence[int], spans: Sequence[SeqSpan]) -> torch.Tensor | None:
         """The model's hidden states [len(spans), hidden] for a step of one-token rows (`spans` in

@@ -30,6 +30,7 @@ import torch
 
 from superinfer.engine.model.decoder import Attention, DecoderLM
 from superinfer.engine.worker.device_tensor import device_tensor
+from superinfer.engine.worker.graph_capture import capture
 
 TOKEN_COUNTS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
@@ -71,19 +72,7 @@ class PiecewiseGraphs:
             pieces = self.pieces[count] = self._pieces(count)
             if device.type != "cuda":
                 continue
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up: kernels compiled, library handles made, outside the graphs
-                for piece in pieces:
-                    piece()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graphs = self.graphs[count] = []
-            for piece in pieces:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    piece()
-                pool = graph.pool()
-                graphs.append(graph)
+            self.graphs[count], _, pool = capture(pieces, device, pool)
 
     def _pieces(self, n: int) -> list[Callable[[], None]]:
         """The forward of n rows cut at each attention: layers + 1 pieces, each reading and
