@@ -109,11 +109,15 @@ def main() -> None:
             f"{k:12s} measured {measured[k]:8.1f}  simulated {predicted[k]:8.1f}  error {100 * errors[k]:+6.1f}%"
             f"  (fit alone {fit_only[k]:8.1f}, {100 * fit_errors[k]:+6.1f}%)"
         )
+    counted = {"rotations": float(core.scheduler.counters.rotations), **core.scheduler.counters.by_reason()}
+    for k, n in counted.items():
+        simulated, alone = predicted.get(k, 0.0), fit_only.get(k, 0.0)
+        print(f"{k:24s} measured {n:8.0f}  simulated {simulated:8.0f}  (fit alone {alone:8.0f})")
     shown = (*KEYS, "ttft_attainment", "tbt_attainment")
     figures = {
         "calibration": cal,
-        "measured": {k: measured[k] for k in shown},
-        "simulated": {k: predicted[k] for k in shown},
+        "measured": {**{k: measured[k] for k in shown}, **counted},
+        "simulated": {**{k: predicted[k] for k in shown}, **{k: predicted.get(k, 0.0) for k in counted}},
         "relative_error": errors,
         "simulated_fit_alone": {k: fit_only[k] for k in shown},
         "relative_error_fit_alone": fit_errors,

@@ -430,6 +430,7 @@ class ReferenceScheduler:
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
+        self.kv.retire(plan.step_id)
         seqs = plan.all_seqs()
         if seqs:
             context = sum(seq.context_len for seq in seqs)
@@ -461,7 +462,6 @@ class ReferenceScheduler:
             if reason is not None:
                 self._finish(req, reason)
             touched.append(req)
-        self.kv.retire(plan.step_id)
         return touched
 
 

@@ -108,11 +108,14 @@ class BlockPool:
     free but handed out last, and whoever takes it learns the copy's step (so its op can wait for
     that copy)."""
 
-    def __init__(self, num_blocks: int, reuse_under_copy: bool = False) -> None:
+    def __init__(self, num_blocks: int, reuse_under_copy: bool = False, tracks_use: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.reuse_under_copy = reuse_under_copy
+        # Keep `in_use` and the watched counts (admission reads them off the GPU pool; nobody
+        # reads the CPU tier's, so it skips a set update for each block it takes and releases).
+        self.tracks_use = tracks_use
         self.ref_cnt = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -251,6 +254,7 @@ class BlockPool:
         ref_cnt, hash_of, cached = self.ref_cnt, self.hash_of, self.cached
         copying, computing, in_use, watched = self.copying, self.computing, self.in_use, self.watched
         reuse_before = self.planning if self.reuse_under_copy else 0  # a copy of an earlier step: free
+        tracks_use = self.tracks_use
         if fence > self.newest_fence:
             self.newest_fence = fence
         for block in blocks:  # (a finished request's dozens of blocks: locals only)
@@ -262,8 +266,8 @@ class BlockPool:
                     raise RuntimeError(f"block {block} released more often than it was taken")
                 continue
             h = hash_of[block]
-            if h is not None and cached.get(h) == block:
-                in_use.discard(h)  # (`_unuse`)
+            if tracks_use and h is not None and cached.get(h) == block:
+                in_use.discard(h)
                 if h in watched:
                     self.watched_in_use -= 1
             copy_fence = copying.get(block)
@@ -300,23 +304,21 @@ class BlockPool:
         """`register` each block with the hash beside it, in order (inlined: a rotation brings
         back a request's every block)."""
         hash_of, cached, ref_cnt, in_use, watched = self.hash_of, self.cached, self.ref_cnt, self.in_use, self.watched
+        tracks_use = self.tracks_use
         for block, h in zip(blocks, hashes, strict=True):
             if hash_of[block] is None:
                 hash_of[block] = h
-                if cached.setdefault(h, block) == block and ref_cnt[block] > 0:
+                if cached.setdefault(h, block) == block and tracks_use and ref_cnt[block] > 0:
                     in_use.add(h)  # (`_use`)
                     if h in watched:
                         self.watched_in_use += 1
 
     def _use(self, h: bytes) -> None:
+        if not self.tracks_use:
+            return
         self.in_use.add(h)
         if h in self.watched:
             self.watched_in_use += 1
-
-    def _unuse(self, h: bytes) -> None:
-        self.in_use.discard(h)
-        if h in self.watched:
-            self.watched_in_use -= 1
 
     def watch(self, hashes: Sequence[bytes]) -> None:
         """Count in `watched_in_use` whether these (distinct) hashes are in use (a request swapped
@@ -374,7 +376,7 @@ class KVCacheManager:
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
     ) -> None:
         self.pool = BlockPool(num_blocks, reuse_under_copy=True)
-        self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.cpu = BlockPool(num_cpu_blocks, tracks_use=False) if num_cpu_blocks > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.swapped_out: set[Request] = set()  # their full blocks' hashes are watched in the pool

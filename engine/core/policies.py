@@ -215,7 +215,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     model = sched.step_time
     if not model.ready:
         return None
-    by_row = len(sched.running) < sched.rows_per_vector
+    by_row = sched.num_running < sched.rows_per_vector
     groups: list[Iterable[Request]] = []
     columns: list[tuple[RankingColumns, np.ndarray]] = []
     if len(sched.waiting) < sched.rows_per_vector:  # those waiting again after a recompute
@@ -257,7 +257,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     context = sum(map(b.num_tokens.__getitem__, b.order.tolist())) if by_row else int(b.np_num_tokens[b.order].sum())
     budget = model.tokens_within(step_s, context)
     residency = RESIDENCY_SHARE * turn * max(1.0, fit / (d - fit)) if d > fit else math.inf
-    budget = max(budget, len(sched.running) + MIN_PREFILL_CHUNK)
+    budget = max(budget, sched.num_running + MIN_PREFILL_CHUNK)
     return TBTGuard(allowed, budget, residency, overdue, d, fit, turn_end - now)
 
 
@@ -439,7 +439,7 @@ class RotaryPolicy:
 
     def decide(self, sched: Scheduler, now: float) -> Decision:
         kv, p = sched.kv, self.params
-        by_row = len(sched.running) < sched.rows_per_vector
+        by_row = sched.num_running < sched.rows_per_vector
         if not sched.waiting and not sched.rotary and not _prefilling(sched.batch, by_row):
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None

@@ -233,8 +233,7 @@ class Scheduler:
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.batch = RunningBatch()  # the running requests' counters, in running order
+        self.batch = RunningBatch()  # the running requests, their counters, in running order
         self.token_timing = TokenTiming()  # what the last update timed (for the metrics)
         self.new_tokens = NewTokens([], [])  # what the last update gave its requests (for the outputs)
         self._last_decode_columns: _DecodeColumns | None = None
@@ -306,8 +305,13 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def running(self) -> list[Request]:
+        """The running requests, in running order (a new list: kept in the batch's `order`)."""
+        return self.batch.requests[self.batch.order].tolist()
+
+    @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.batch.order)
 
     def guard_figures(self) -> dict[str, float]:
         """For the benchmarks' reports: the share of steps in which the TBT guard kept new requests
@@ -371,11 +375,10 @@ class Scheduler:
             self.counters.guard_held_steps += 1
             # (all of them, as a streaming request had waited its whole turn)
             self.counters.guard_overdue_steps += decision.guard is not None and decision.guard.overdue
-        left: list[Request] = []  # (out of `running` at once: a wave rotates out hundreds)
-        for req in decision.rotate_out:
-            if not self._rotate_out(req, step, "policy", left):
+        for req in decision.rotate_out:  # (out of the running order at once: a wave rotates out hundreds)
+            if not self._rotate_out(req, step, "policy", reorder=False):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
-        self._leave_running(left)
+        self.batch.reorder()
         self._serve_running(step)
         if not step.preempted:
             self._admit(decision.admit, step, decision.strict_order)
@@ -439,10 +442,10 @@ class Scheduler:
         return rows
 
     def _serve_running(self, step: _Step) -> None:
-        running, kv = self.running, self.kv
+        b, kv = self.batch, self.kv
         i = self._serve_decodes(0, step)
-        while i < len(running) and step.budget > 0:
-            req = running[i]  # a prefill chunk, or a decode with no free block for it
+        while i < len(b.order) and step.budget > 0:
+            req = b.requests[b.order[i]]  # a prefill chunk, or a decode with no free block for it
             n = min(self.next_tokens(req), step.budget)
             while not kv.allocate(req, n):
                 victim = self.policy.victim(self.batch, i, step.now)
@@ -637,7 +640,7 @@ class Scheduler:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
         is skipped for the ones after it."""
         for req in order:
-            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if step.budget <= 0 or len(self.batch.order) >= self.config.max_num_seqs:
                 return
             if req.num_pending_tokens:
                 continue  # left the GPU while its last step was in flight: back once that completes
@@ -693,7 +696,6 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             req.t_run = step.now
-            self.running.append(req)
             self.batch.add(req)
             self._take(req, n, step)
 
@@ -711,6 +713,7 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id} samples {plan.num_sampled} tokens, got {len(tokens)}")
         now = self.clock()
         submitted = self._submitted.pop(plan.step_id)
+        self.kv.retire(plan.step_id)  # (first: the blocks of requests that finish now are free at once)
         self.token_timing = TokenTiming()
         token_array = tokens if isinstance(tokens, np.ndarray) else None
         if token_array is not None:
@@ -744,7 +747,6 @@ class Scheduler:
         else:  # (a decode-only step: no copy of a thousand rows)
             new = decoded_new
         self.new_tokens = new
-        self.kv.retire(plan.step_id)
         return touched
 
     def _apply_token(self, req: Request, token: int, now: float) -> None:
@@ -837,12 +839,13 @@ class Scheduler:
             req = reqs[k]
             if keep is None or keep[k]:
                 if (reason := req.stop_reason()) is not None:
-                    self._finish(req, reason)
+                    self._finish(req, reason, reorder=False)
                 continue
             if self._apply_row(req, rows.start_pos[k], tokens[k], k in fills, now):
                 num_output[k] = req.num_output_tokens
             else:
                 dropped.append(k)
+        b.reorder()
         if dropped:
             gone = set(dropped)
             kept = [k for k in range(len(reqs)) if k not in gone]
@@ -1026,16 +1029,16 @@ class Scheduler:
                 return True
         return False
 
-    def _rotate_out(self, req: Request, step: _Step, reason: str, left: list[Request] | None = None) -> bool:
+    def _rotate_out(self, req: Request, step: _Step, reason: str, reorder: bool = True) -> bool:
         """Move a running decode to the CPU tier, if the tier and the transfer budget can take it
-        (`left`: see _stop_running)."""
+        (`reorder`: see RunningBatch.remove)."""
         if step.transfer_left < self.kv.swap_out_cost(req):
             return False
         copies = self.kv.swap_out(req, step.id)
         if copies is None:
             return False
         step.swap_out_after = max(step.swap_out_after, req.last_step)
-        self._stop_running(req, left)
+        self.batch.remove(req, reorder)
         step.swap_out += copies
         step.transfer_left -= len(copies)
         req.status = RequestStatus.ROTARY
@@ -1056,22 +1059,6 @@ class Scheduler:
         """A rotary request's blocks to come back while none of its content is in use
         (kv.swap_in_blocks for its next tokens) and the bound on its copies in."""
         return self.kv.blocks_for(req.num_scheduled_tokens), self.kv.swap_in_copies_bound(req)
-
-    def _stop_running(self, req: Request, left: list[Request] | None = None) -> None:
-        """Out of the running batch and list; with `left`, into it instead of out of the list and
-        the batch's order: the caller takes them all out of both at once (_leave_running)."""
-        self.batch.remove(req, reorder=left is None)
-        if left is None:
-            self.running.remove(req)
-        else:
-            left.append(req)
-
-    def _leave_running(self, left: list[Request]) -> None:
-        """Take the requests `_stop_running` put in `left` out of the running list and order."""
-        if left:
-            self.batch.reorder()
-            gone = set(map(id, left))
-            self.running[:] = [r for r in self.running if id(r) not in gone]
 
     def _leave_rotary(self, req: Request) -> None:
         _remove_sorted(self.rotary, req)
@@ -1096,7 +1083,7 @@ class Scheduler:
             if self._rotate_out(req, step, "gpu_full"):
                 return
             reason = "transfer_budget" if step.transfer_left < self.kv.swap_out_cost(req) else "cpu_full"
-        self._stop_running(req)
+        self.batch.remove(req)
         self._recompute(req, reason)
 
     def _recompute(self, req: Request, reason: str) -> None:
@@ -1110,9 +1097,10 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.waiting_columns.add(req, first=True)
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason, reorder: bool = True) -> None:
+        """End a live request and free its blocks (`reorder`: see RunningBatch.remove)."""
         if req.status is RequestStatus.RUNNING:
-            self._stop_running(req)
+            self.batch.remove(req, reorder)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
             self.waiting_columns.remove(req)
