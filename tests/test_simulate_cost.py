@@ -239,3 +239,16 @@ def test_a_bench_step_record_floors_the_steps_outside_the_graphs(tmp_path):
     assert cost.compute(plan(*[(2047, 1)] * 8, (0, 64))) == pytest.approx(0.02)  # the floor
     flops = 2 * 7_504_924_672 * 8192 + 4 * 32 * 32 * 128 * 8192 * 8193 / 2  # weights, causal attention
     assert cost.compute(plan((0, 8192))) == pytest.approx(cost.hw.launch_s + flops / (989e12 * 0.5))  # past it
+
+
+def test_host_time_between_steps_is_the_median_gap_so_idle_waits_do_not_count():
+    from superinfer.bench.sim_fidelity import RecordedStepTimes
+    from superinfer.engine.core.step_time import StepShape
+
+    steps = RecordedStepTimes()
+    # Steps of 2 s ending at 10, 13, 16.5 and, after an idle wait for arrivals, 100: gaps 1, 1.5, 82.
+    for end in (10.0, 13.0, 16.5, 100.0):
+        steps.seen.append((StepShape(1, 10), 2.0))
+        steps.ends.append(end)
+    assert steps.host_seconds() == pytest.approx(1.5)
+    assert RecordedStepTimes().host_seconds() == 0.0
