@@ -360,13 +360,21 @@ def test_decode_graphs_give_the_op_by_op_tokens(async_scheduling: bool) -> None:
     assert graphs.replays == replays + 3
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_piecewise_graphs_give_the_op_by_op_tokens(async_scheduling: bool, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("async_scheduling", "fused"), [(False, False), (True, False), (False, True)], ids=["sync", "async", "fused"]
+)
+def test_piecewise_graphs_give_the_op_by_op_tokens(async_scheduling: bool, fused: bool, monkeypatch) -> None:
     """Steps through the piecewise graphs' static buffers (replayed on CUDA; without CUDA the same
     pieces run op by op): prompt chunks beside decodes and decode batches past the decode graphs,
-    padded to 4 or 8 tokens; steps past 8 tokens op by op; the tokens of op-by-op steps."""
+    padded to 4 or 8 tokens; steps past 8 tokens op by op; the tokens of op-by-op steps. `fused`:
+    with the fused norm, activation and RoPE kernels in both engines, as the runner has them on CUDA
+    (the pieces then run them on the buffers' rows)."""
+    from superinfer.engine.model.decoder import FusedKernels
     from superinfer.engine.worker.cuda_graphs import DecodeGraphs
     from superinfer.engine.worker.piecewise_graphs import PiecewiseGraphs, graph_token_counts
+    from superinfer.kernels.rms_norm import add_rms_norm, rms_norm
+    from superinfer.kernels.rope import rope
+    from superinfer.kernels.silu_mul import silu_mul
 
     assert graph_token_counts(100) == [16, 32, 64, 100]
     assert graph_token_counts(2048)[-1] == 2048 and graph_token_counts(100_000)[-1] == 8192
@@ -384,11 +392,14 @@ def test_piecewise_graphs_give_the_op_by_op_tokens(async_scheduling: bool, monke
     prompts = [[5, 17, 42, 9, 77, 31, 8, 100, 3], [250, 11, 6, 1000], [7, 8], list(range(300, 320)), [9]]
     tokens = [6, 9, 3, 7, 5]
     core = _engine("triton", async_scheduling=async_scheduling, max_num_batched_tokens=12)
+    eager = _engine("triton", enforce_eager=True, max_num_batched_tokens=12)
+    if fused:
+        for engine in (core, eager):
+            engine.runner.model.use_kernels(FusedKernels(rms_norm, add_rms_norm, silu_mul, rope))
     with torch.inference_mode():
         runner = core.runner
         runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.scale, 64, [1, 2])
-        runner.piecewise = PiecewiseGraphs(runner.model, [4, 8], DEVICE)
-    eager = _engine("triton", enforce_eager=True, max_num_batched_tokens=12)
+        runner.piecewise = PiecewiseGraphs(runner.model, [4, 8], DEVICE, runner.graphs.pool)  # (as the runner)
     assert _greedy(core, prompts, tokens) == _greedy(eager, prompts, tokens)
     assert any(piece and prompt for _, piece, prompt in steps)  # a prompt chunk through the pieces
     assert any(piece and not prompt for _, piece, prompt in steps)  # decode rows past the decode graphs'

@@ -75,6 +75,7 @@ class DecodeGraphs:
             if device.type != "cuda":
                 continue
             (self.graphs[size],), (self.hidden[size],), pool = capture([forward], device, pool)
+        self.pool = pool  # (the piecewise graphs share it)
 
     def run(self, input_ids: torch.Tensor, positions: Sequence[int], spans: Sequence[SeqSpan]) -> torch.Tensor | None:
         """The model's hidden states [len(spans), hidden] for a step of one-token rows (`spans` in

@@ -16,21 +16,26 @@ runs op by op on the first n rows of q, k and v (the padding rows write no KV an
 to them), its output goes into the buffer and the next graph replays. Every op of the graphs works
 row by row, so the padding changes no real row. Steps past the largest count run op by op.
 
-Without CUDA (tests, through Triton's interpreter) the same pieces run op by op over the same
-buffers. The graphs of all counts share one memory pool and are replayed one at a time on the
-compute stream.
+Attention writes its output straight into the buffer. Without CUDA (tests, through Triton's
+interpreter) the same pieces run op by op over the same buffers. The graphs of all counts share
+one memory pool with the decode graphs (every tensor one graph hands to another is a buffer
+allocated before any capture) and are replayed one at a time on the compute stream.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from superinfer.engine.model.decoder import Attention, DecoderLM
+from superinfer.engine.model.decoder import DecoderLM
 from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.graph_capture import capture
+
+if TYPE_CHECKING:  # (importing it imports triton)
+    from superinfer.engine.worker.triton_attention import TritonPagedAttention
 
 TOKEN_COUNTS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
@@ -43,9 +48,10 @@ def graph_token_counts(max_num_batched_tokens: int) -> list[int]:
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: DecoderLM, counts: Sequence[int], device: torch.device) -> None:
-        """Capture each count's graphs (call under torch.inference_mode, with nothing else running
-        on the device)."""
+    def __init__(self, model: DecoderLM, counts: Sequence[int], device: torch.device, pool: Any = None) -> None:
+        """Capture each count's graphs in memory pool `pool` (None: a new one; the decode graphs'
+        is shared, as only one graph replays at a time), under torch.inference_mode, with nothing
+        else running on the device."""
         top = max(counts)
         attn = model.model.layers[0].self_attn
         heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -67,12 +73,12 @@ class PiecewiseGraphs:
         self.pieces: dict[int, list[Callable[[], None]]] = {}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.replays = 0
-        pool = None
         for count in reversed(self.counts):  # the largest first: the others fit in its pool
             pieces = self.pieces[count] = self._pieces(count)
             if device.type != "cuda":
                 continue
             self.graphs[count], _, pool = capture(pieces, device, pool)
+        self.pool = pool
 
     def _pieces(self, n: int) -> list[Callable[[], None]]:
         """The forward of n rows cut at each attention: layers + 1 pieces, each reading and
@@ -106,7 +112,7 @@ class PiecewiseGraphs:
 
         return [first, *(between(layer) for layer in range(1, len(layers))), last]
 
-    def run(self, input_ids: torch.Tensor, positions: Sequence[int], attn: Attention) -> torch.Tensor | None:
+    def run(self, input_ids: torch.Tensor, positions: Sequence[int], attn: TritonPagedAttention) -> torch.Tensor | None:
         """The model's final-norm hidden states [n, hidden] for a step of n = len(positions) tokens,
         through the smallest count that holds them; None when none does (the caller runs the step
         op by op). They are the output buffer: read them before the next run."""
@@ -123,7 +129,7 @@ class PiecewiseGraphs:
         steps: Sequence[Callable[[], None]] = [g.replay for g in graphs] if graphs else self.pieces[count]
         steps[0]()
         for layer, replay in enumerate(steps[1:]):
-            self.out[:n].copy_(attn(layer, self.q[:n], self.k[:n], self.v[:n]))
+            attn(layer, self.q[:n], self.k[:n], self.v[:n], out=self.out[:n])
             replay()
         self.replays += 1
         return self.hidden[:n]

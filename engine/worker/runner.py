@@ -13,6 +13,7 @@ logits, samples, and broadcasts the tokens, which the other ranks need for the n
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -248,7 +249,7 @@ class ModelRunner:
         """Capture a CUDA graph of the decode forward for each padded batch size up to `max_num_seqs`
         (cuda_graphs.py) where the step allows it: on CUDA, with the Triton attention, on one GPU,
         without MoE layers (their routing reads expert counts on the host)."""
-        if not self._graphs_allowed():
+        if not self._graphs_allowed:
             return
         from superinfer.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
@@ -264,12 +265,12 @@ class ModelRunner:
         """Capture the forward between attention calls as CUDA graphs per padded token count up
         to `max_num_batched_tokens` (piecewise_graphs.py), for the steps no decode graph runs,
         where the step allows graphs (as capture_decode_graphs)."""
-        if not self._graphs_allowed():
+        if not self._graphs_allowed:
             return
         counts = graph_token_counts(max_num_batched_tokens)
         self.piecewise = self._capture(
             f"piecewise CUDA graphs of {counts} tokens",
-            lambda: PiecewiseGraphs(self.model, counts, self.device),
+            lambda: PiecewiseGraphs(self.model, counts, self.device, self.graphs.pool if self.graphs else None),
             "a lower --gpu-memory-utilization or --max-num-batched-tokens leaves them more memory, and without "
             "--piecewise-graphs steps with prompt tokens run op by op",
         )
@@ -284,9 +285,10 @@ class ModelRunner:
         log.info("%s captured in %.1f s", what, time.perf_counter() - t0)
         return captured
 
+    @functools.cached_property
     def _graphs_allowed(self) -> bool:
         """On CUDA, with the Triton attention, on one GPU, without MoE layers (their routing reads
-        expert counts on the host)."""
+        expert counts on the host). (Asked by each kind of graph: said once.)"""
         if self.device.type != "cuda" or self.attention_backend != "triton":
             return False
         if self.tp.size > 1 or any(isinstance(m, SparseMoE) for m in self.model.modules()):
@@ -295,9 +297,10 @@ class ModelRunner:
         return True
 
     def warm_up(self) -> None:
-        """Run one step op by op, a prompt chunk beside a decode, before serving: on CUDA Triton
-        compiles what the decode graphs do not hold (the prompt chunks' attention) now, not during
-        the first requests. Its tokens go to the first few blocks, which hold nothing yet."""
+        """Run one step, a prompt chunk beside a decode (op by op, or through the piecewise graphs
+        if captured), before serving: on CUDA Triton compiles what the decode graphs do not hold
+        (the prompt chunks' attention) now, not during the first requests. Its tokens go to the
+        first few blocks, which hold nothing yet."""
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         chunk_blocks = -(-16 // self.block_size)
         decode_blocks = range(chunk_blocks, chunk_blocks + -(-41 // self.block_size))

@@ -86,9 +86,13 @@ class TritonPagedAttention:
             )
         return self.extends
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention's output [T, heads, head_dim], into `out` if given (every row is written)."""
         kv_write(self.kv_cache, layer, k, v, self.slots)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.decodes is not None:
             paged_decode(q, self.kv_cache, layer, self.decodes, self.scale, out=out)
         if self.extend_spans:
