@@ -2,13 +2,15 @@
 
 1. The real engine (tiny model, CPU, wall clock) serves a Poisson load; its own step-time model
    (fixed + per token + per thousand context tokens, here fitted over every step of the run), the
-   spread of the measured step times around that fit and its measured copy time per block become
-   a calibration file.
+   spread of the measured step times around that fit, its measured copy time per block and the
+   median time between one step's end and the next one's plan (the simulator's host time) become
+   the calibration.
 2. The simulator runs the same requests with that calibration, the same KV sizes and limits,
    with the spread and without it (the fit alone).
-3. p50/p90 TTFT and TBT, simulated against measured (goal: within 15%).
+3. p50/p90 TTFT and TBT, simulated against measured (goal: within 15%), and rotations and
+   preemptions by reason.
 
-    python -m bench.sim_fidelity [--rate 6 --duration 30 --policy rotary]
+    python -m bench.sim_fidelity [--rate 6 --duration 30 --policy rotary] [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=64)
     parser.add_argument("--num-cpu-blocks", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="default: off on CPU")
     args = parser.parse_args()
     slo = SLO(5000.0, 100.0)
     items = poisson_workload(
@@ -93,7 +96,9 @@ def main() -> None:
         max_output=512,
     )
     limits = {"num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks, "max_model_len": 1024}
-    core = EngineCore(EngineConfig(model="tiny", device="cpu", policy=args.policy, **limits))
+    core = EngineCore(
+        EngineConfig(model="tiny", device="cpu", policy=args.policy, async_scheduling=args.async_scheduling, **limits)
+    )
     core.scheduler.step_time = steps = RecordedStepTimes()
     prompts = prompt_tokens(items, core.model_config.vocab_size, seed=args.seed)
     copies: list[CopyStats] = []
@@ -141,8 +146,9 @@ def main() -> None:
         "relative_error_fit_alone": fit_errors,
         "steps_simulated": predicted["steps"],
     }
-    extra = {"workload": {"rate": args.rate, "duration_s": args.duration, "policy": args.policy, **limits}}
-    tag = f"fidelity-{args.policy}-{args.rate:g}rps"
+    workload = {"rate": args.rate, "duration_s": args.duration, "policy": args.policy, **limits}
+    extra = {"workload": workload, "async_scheduling": core.async_scheduling}
+    tag = f"fidelity-{args.policy}-{args.rate:g}rps{'-async' if core.async_scheduling else ''}"
     print(f"wrote {write_result('sim', 'cpu', figures, {'p50_p90_error': 'within 15%'}, extra, tag=tag)}")
 
 
