@@ -23,6 +23,8 @@ from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.engine.worker.runner import SubmittedStep
 
+StepLogLine = dict[str, float | str]  # one step of a step log (`step_entry`, completed at collection)
+
 
 class VirtualClock:
     def __init__(self, start: float = 0.0) -> None:
@@ -38,7 +40,7 @@ def replay(
     prompts: Sequence[list[int]],
     timeline: DeviceTimeline | None = None,
     copy_stats: list[CopyStats] | None = None,
-    step_log: list[dict[str, float]] | None = None,
+    step_log: list[StepLogLine] | None = None,
 ) -> tuple[list[RequestTiming], float]:
     """Run every item to completion; returns per-request timings and the run's duration.
 
@@ -55,9 +57,9 @@ def replay(
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     token_times: dict[str, list[float]] = {}
     # submitted steps, when their tokens are out, and their step-log line
-    in_flight: list[tuple[SubmittedStep, float, dict[str, float] | None]] = []
+    in_flight: list[tuple[SubmittedStep, float, StepLogLine | None]] = []
 
-    def collect(step: SubmittedStep, done: float, entry: dict[str, float] | None, phases: dict[str, float]) -> None:
+    def collect(step: SubmittedStep, done: float, entry: StepLogLine | None, phases: dict[str, float]) -> None:
         t0 = time.perf_counter()
         result = core.runner.collect(step)
         phases = {**phases, "wait": time.perf_counter() - t0}  # (host seconds, also on a virtual clock)
@@ -71,7 +73,7 @@ def replay(
             copies = result.copies
             entry.update(done=clock() - start, copy_latency_out=copies.latency_out, copy_latency_in=copies.latency_in)
             entry.update(copy_hidden=copies.hidden_seconds, copy_seconds=copies.copy_seconds)
-            entry.update(graph_replays=core.runner.graphs.replays if core.runner.graphs is not None else 0)
+            entry.update(forward=step.forward, compute_s=copies.compute_seconds, compute_queue_s=copies.compute_queue)
 
     nxt = 0
     start = clock()
@@ -124,7 +126,7 @@ PREEMPTIONS = (
 )
 
 
-def step_entry(core: EngineCore, plan: StepPlan, t: float) -> dict[str, float]:
+def step_entry(core: EngineCore, plan: StepPlan, t: float) -> StepLogLine:
     """A step-log line at planning time `t` (seconds into the run): the step's shape and copies,
     the queues it left, the scheduler's counters so far (preemptions by mode and reason too) and
     the TBT guard's view (NaN without one)."""

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from superinfer.bench.goodput import RequestTiming, summarize
 from superinfer.bench.record import result_stem, write_result
-from superinfer.bench.replay import VirtualClock, replay
+from superinfer.bench.replay import StepLogLine, VirtualClock, replay
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.transfers import summarize_copies
 from superinfer.bench.vllm_peer import parse_counters
@@ -59,9 +59,7 @@ def step_phases(registry: CollectorRegistry) -> dict[str, float]:
     return {f"{phase}_ms_per_step": 1000 * seconds / steps for phase, seconds in counted.phase_seconds.items()}
 
 
-def write_step_log(
-    path: Path, steps: list[dict[str, float]], timings: list[RequestTiming], items: list[WorkItem]
-) -> None:
+def write_step_log(path: Path, steps: list[StepLogLine], timings: list[RequestTiming], items: list[WorkItem]) -> None:
     """The run's steps (replay's step log) and requests (arrival, TTFT, largest gap between
     tokens, lengths) as JSON columns, for reading a run step by step after it (a GPU's lease is
     short)."""
@@ -116,7 +114,7 @@ def run_point(
     prompts = prompt_tokens(items, core.model_config.vocab_size, seed=args.seed)
     timeline = DeviceTimeline(duplex=core.config.duplex, async_scheduling=core.async_scheduling) if virtual else None
     copies: list[CopyStats] = []
-    steps: list[dict[str, float]] | None = [] if step_log else None
+    steps: list[StepLogLine] | None = [] if step_log else None
     timings, duration = replay(core, items, prompts, timeline, copies, steps)
     if step_log:
         write_step_log(step_log, steps or [], timings, items)

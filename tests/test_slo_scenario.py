@@ -91,6 +91,9 @@ def test_the_step_log_has_every_step_and_the_guards_view(results):
     assert steps[-1]["swap_policy"] + steps[-1]["swap_gpu_full"] == core.scheduler.counters.preemptions["swap"]
     guarded = [s for s in steps if not math.isnan(s["guard_live"])]
     assert guarded and all(s["guard_fit"] >= 1 and s["guard_live"] >= 1 for s in guarded)
+    computed = [s for s in steps if s["seqs"]]  # (on the CPU each forward runs op by op, timed on the host)
+    assert computed and all(s["forward"] == "op_by_op" and s["compute_s"] > 0 for s in computed)
+    assert all(s["forward"] == "" for s in steps if not s["seqs"])
 
 
 def test_the_step_log_file_calibrates_the_simulator(results, tmp_path):

@@ -68,7 +68,10 @@ class CopyStats:
 
     `latency_*`: from the step's submission to the copy's end (the blocks resident in the other
     tier); `queue_*`: from submission to the copy's start; `hidden_seconds`: the part of the
-    copies' time that ran while a model step computed."""
+    copies' time that ran while a model step computed. Beside them, the step's compute itself:
+    `compute_queue` from submission to its start (behind earlier steps and the copies it waits
+    for), `compute_seconds` from its start to its end on the device (on a GPU, as long as the
+    host takes to launch it if that is longer)."""
 
     blocks_out: int = 0
     blocks_in: int = 0
@@ -79,6 +82,8 @@ class CopyStats:
     queue_out: float = 0.0
     queue_in: float = 0.0
     hidden_seconds: float = 0.0
+    compute_queue: float = 0.0
+    compute_seconds: float = 0.0
 
     @property
     def copy_seconds(self) -> float:
@@ -176,6 +181,9 @@ class DuplexKV:
         return _unfinished(self._copy_outs, step_id)
 
     def _measure(self, step: StepCopies) -> None:
+        if step.compute is not None:
+            step.stats.compute_queue = self.streams.seconds(step.submitted, step.compute.begin)
+            step.stats.compute_seconds = self.streams.seconds(step.compute.begin, step.compute.end)
         if step.copy_out is None and step.copy_in is None:
             return
         # Offsets from a marker taken before anything that can overlap this step's copies: the

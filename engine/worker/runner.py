@@ -105,6 +105,7 @@ class SubmittedStep:
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     prompt_logprobs: SampledLogprobs | None = None  # host, the rows of prompt_rows in order
     prompt_ranks: torch.Tensor | None = None  # host, the rank of each prompt token
+    forward: str = ""  # how its forward ran: "decode_graph", "piecewise_graphs" or "op_by_op" ("": none)
 
 
 @dataclass
@@ -385,11 +386,15 @@ class ModelRunner:
         sampling = SampleRows.of(plan, step.request_ids)
         masks = self._start_masks(sampling) if self.tp.rank == 0 else None
         hidden = self.graphs.run(input_ids, x.positions, x.spans) if self.graphs and x.decode_only else None
-        if hidden is None:
+        if hidden is not None:
+            step.forward = "decode_graph"
+        else:
             attn = self.attention(x.spans, self.kv_cache, self.scale)
             hidden = self.piecewise.run(input_ids, x.positions, attn) if self.piecewise else None
+            step.forward = "piecewise_graphs"
             if hidden is None:
                 hidden = self.model(input_ids, self._tensor(x.positions), attn)
+                step.forward = "op_by_op"
             if x.prompt_rows:
                 self._score_prompts(hidden, x, step)
             if not sampling:
