@@ -640,7 +640,7 @@ class Scheduler:
         """Admit in `order`; a request that does not fit stops admission (strict FCFS order) or
         is skipped for the ones after it."""
         for req in order:
-            if step.budget <= 0 or len(self.batch.order) >= self.config.max_num_seqs:
+            if step.budget <= 0 or self.num_running >= self.config.max_num_seqs:
                 return
             if req.num_pending_tokens:
                 continue  # left the GPU while its last step was in flight: back once that completes
