@@ -174,15 +174,22 @@ def fit_calibration(
 
 def calibration_from_step_log(log: dict) -> dict:
     """fit_calibration of a `bench.slo --step-log` run, the steps with prompt tokens apart (on a
-    GPU they run op by op: ~23 ms on an H100 for Llama-3-8B whatever their tokens, where a decode
+    GPU they run op by op: ~30 ms on an H100 for Llama-3-8B whatever their tokens, where a decode
     step replays a graph): a step's time runs from the collection of the step before it (or its own
-    planning, if later) to its own collection; the copies' time per block is the same both ways
-    (the log sums them; none in a run without copies)."""
+    planning, if later) to its own collection, its own submission moved into it where it came
+    earlier; the copies' time per block is the same both ways (the log sums them; none in a run
+    without copies)."""
     s = log["steps"]
+    n = len(s["t"])
+    # With async scheduling the host plans and submits a step before it collects the one before
+    # (t[i] < done[i-1]): the submission, the launches of an op-by-op step (~25 ms on an H100),
+    # falls in the interval that ends with the earlier step's collection, and belongs to the later.
+    submit = s.get("submit_s") or [0.0] * n
+    early = [0.0, *(submit[i] if s["t"][i] < s["done"][i - 1] else 0.0 for i in range(1, n)), 0.0]
     decodes: list[tuple[StepShape, float]] = []
     prompts: list[tuple[StepShape, float]] = []
-    for i in range(1, len(s["t"])):
-        seconds = s["done"][i] - max(s["done"][i - 1], s["t"][i])
+    for i in range(1, n):
+        seconds = s["done"][i] - max(s["done"][i - 1], s["t"][i]) + early[i] - early[i + 1]
         if s["seqs"][i] and seconds > 0:
             steps = prompts if s["tokens"][i] > s["seqs"][i] else decodes
             steps.append((StepShape(s["tokens"][i], s["context"][i]), seconds))

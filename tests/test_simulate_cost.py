@@ -252,3 +252,34 @@ def test_host_time_between_steps_is_the_median_gap_so_idle_waits_do_not_count():
         steps.ends.append(end)
     assert steps.host_seconds() == pytest.approx(1.5)
     assert RecordedStepTimes().host_seconds() == 0.0
+
+
+def test_a_step_log_charges_each_step_its_own_launches():
+    """With async scheduling the host submits a step before it collects the one before: an
+    op-by-op step's launches (25 ms of host time here, 30 ms on the device) fall in the interval
+    that ends with the earlier step's collection. Fitted from such a log, a step with a prompt
+    chunk costs at least its own 30 ms and a decode step at most its 8 ms (less where it ran under
+    the next step's launches), not the other way round (18 and 16 ms without the correction)."""
+    from superinfer.sim.cost import calibration_from_step_log
+
+    steps: dict[str, list[float]] = {k: [] for k in ("t", "done", "submit_s", "tokens", "seqs", "context")}
+    steps |= {"blocks_out": [], "blocks_in": [], "copy_seconds": []}
+    host = device_end = previous_end = 0.0
+    for i in range(300):
+        prompt = i % 3 == 0 or i % 7 == 0
+        tokens, seqs = (200, 41) if prompt else (40, 40)
+        submit, cost = (0.025, 0.030) if prompt else (0.001, 0.008)
+        planned = host
+        host += 0.0005 + submit  # plan, then launch
+        device_end = max(max(device_end, planned + 0.0005) + cost, host)
+        for key, value in zip(steps, (planned, 0.0, submit, tokens, seqs, 10_000, 0, 0, 0.0), strict=True):
+            steps[key].append(value)
+        if i:  # then collect the step before
+            host = steps["done"][i - 1] = max(previous_end, host)
+        previous_end = device_end
+    steps["done"][-1] = max(previous_end, host)
+    cal = calibration_from_step_log({"steps": steps})
+    decode = cal["base_s"] + cal["per_token_s"] * 40 + cal["per_kcontext_s"] * 10
+    p = cal["prompt_step"]
+    with_prompt = p["base_s"] + p["per_token_s"] * 200 + p["per_kcontext_s"] * 10
+    assert decode <= 0.0085 and with_prompt >= 0.030
