@@ -34,12 +34,13 @@ GPU_TESTS = ("gpu", "sampler", "model", "moe", "fused_kernels")
 GPU = [
     ["bench.step", "--device", "cuda", "--batches", "1,16,64,128,256", "--piecewise-graphs"],
     # the paper's top rate, where fcfs's queue blocks, both policies with and without the piecewise
-    # graphs: each point builds an engine (~1 minute on an H100 with the drain; a CPU tier sized from
-    # that host's memory would take minutes to pin)
+    # graphs, then rotary with a residency floor (its churn on the last H100 run): each point builds
+    # an engine (~1 minute on an H100 with the drain; a CPU tier sized from that host's memory would
+    # take minutes to pin)
     [
         "bench.slo",
         "--device=cuda",
-        "--policies=rotary,fcfs,rotary[piecewise-graphs],fcfs[piecewise-graphs]",
+        "--policies=rotary,fcfs,rotary[piecewise-graphs],fcfs[piecewise-graphs],rotary[min-residency=1s]",
         "--rates=60",
         "--duration=15",
         "--gpu-memory-utilization=0.3",
