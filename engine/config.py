@@ -129,7 +129,7 @@ class EngineConfig(BaseModel):
     rotary_beta_b: float = Field(0.0, ge=0)
     transfer_budget_blocks: int = Field(2400, ge=1)
     rotary_min_residency_ms: float = Field(
-        0.0, ge=0, description="rotary: a request brought to the GPU runs at least this long before it can leave"
+        250.0, ge=0, description="rotary: a request brought to the GPU runs at least this long before it can leave"
     )
     slo_admission: bool = Field(
         True,

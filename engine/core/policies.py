@@ -93,7 +93,10 @@ class RotaryParams:
     beta_f: float = 0.5  # a waiting request starts lagging after beta_f * its TTFT SLO
     beta_b: float = 0.0  # a rotary request starts lagging after beta_b * its TBT SLO
     transfer_budget_blocks: int = 2400  # B_xfer: blocks moved between tiers per step
-    min_residency_s: float = 0.0  # a request that entered the GPU runs at least this long before it can leave
+    # A request that entered the GPU runs at least this long before it can leave (the guard's residency
+    # can be a few steps past ~1.2x what fits, and none while it protects nobody: on the CPU engine's
+    # overload 10-15 rotations per request, against 2-3 with this floor at the same goodput).
+    min_residency_s: float = 0.25
     slo_admission: bool = True  # keep live requests within their TBT SLO (see tbt_guard)
     tbt_headroom: float = 0.8  # share of the TBT SLO that the guard lets a token's turn take
 
