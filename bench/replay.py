@@ -19,6 +19,7 @@ from superinfer.bench.workload import WorkItem
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.core.scheduler import PREEMPTION_KINDS
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.engine.worker.runner import SubmittedStep
@@ -116,16 +117,6 @@ def replay(
     return timings, clock() - start
 
 
-# Every (mode, reason) of a preemption (SchedulerCounters), so each step-log line has them all.
-PREEMPTIONS = (
-    ("swap", "policy"),
-    ("swap", "gpu_full"),
-    ("recompute", "gpu_full"),
-    ("recompute", "cpu_full"),
-    ("recompute", "transfer_budget"),
-)
-
-
 def step_entry(core: EngineCore, plan: StepPlan, t: float) -> StepLogLine:
     """A step-log line at planning time `t` (seconds into the run): the step's shape and copies,
     the queues it left, the scheduler's counters so far (preemptions by mode and reason too) and
@@ -145,7 +136,7 @@ def step_entry(core: EngineCore, plan: StepPlan, t: float) -> StepLogLine:
         "free_blocks": sched.kv.num_free_blocks,
         "rotations": counters.rotations,
         "recomputes": counters.preemptions["recompute"],
-        **{f"{mode}_{why}": counters.preemption_reasons.get((mode, why), 0) for mode, why in PREEMPTIONS},
+        **{f"{mode}_{why}": counters.preemption_reasons.get((mode, why), 0) for mode, why in PREEMPTION_KINDS},
         "guard_held_steps": counters.guard_held_steps,
         "guard_overdue_steps": counters.guard_overdue_steps,
         "guard_new_requests": guard.new_requests if guard else math.nan,

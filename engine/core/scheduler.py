@@ -82,13 +82,23 @@ class SchedulerConfig:
             raise ValueError(f"invalid scheduler limits: {self}")
 
 
+# Every (mode, reason) of a preemption: swap for "policy" (chosen to rotate out) or "gpu_full" (out
+# of GPU blocks mid-step); recompute for "gpu_full" (no rotation possible), "cpu_full" (the CPU tier
+# had no room) or "transfer_budget" (the copies exceed a step's budget).
+PREEMPTION_KINDS = (
+    ("swap", "policy"),
+    ("swap", "gpu_full"),
+    ("recompute", "gpu_full"),
+    ("recompute", "cpu_full"),
+    ("recompute", "transfer_budget"),
+)
+
+
 @dataclass
 class SchedulerCounters:
     """Monotonic counters; the metrics layer exports their increments."""
 
-    # Preemptions by (mode, reason): swap for "policy" (chosen to rotate out) or "gpu_full" (out of
-    # GPU blocks mid-step); recompute for "gpu_full" (no rotation possible), "cpu_full" (the CPU
-    # tier had no room) or "transfer_budget" (the copies exceed a step's budget).
+    # Preemptions by (mode, reason), PREEMPTION_KINDS.
     preemption_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
     rotations: int = 0
     # What the TBT guard (policies.tbt_guard) did: steps in which it kept new requests out of

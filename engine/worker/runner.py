@@ -386,15 +386,13 @@ class ModelRunner:
         sampling = SampleRows.of(plan, step.request_ids)
         masks = self._start_masks(sampling) if self.tp.rank == 0 else None
         hidden = self.graphs.run(input_ids, x.positions, x.spans) if self.graphs and x.decode_only else None
-        if hidden is not None:
-            step.forward = "decode_graph"
-        else:
+        step.forward = "decode_graph"
+        if hidden is None:
             attn = self.attention(x.spans, self.kv_cache, self.scale)
             hidden = self.piecewise.run(input_ids, x.positions, attn) if self.piecewise else None
-            step.forward = "piecewise_graphs"
+            step.forward = "op_by_op" if hidden is None else "piecewise_graphs"
             if hidden is None:
                 hidden = self.model(input_ids, self._tensor(x.positions), attn)
-                step.forward = "op_by_op"
             if x.prompt_rows:
                 self._score_prompts(hidden, x, step)
             if not sampling:
