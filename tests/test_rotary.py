@@ -462,13 +462,21 @@ def _tier_state(kv: KVCacheManager, reqs: list[Request]) -> tuple:
 
 
 @pytest.mark.parametrize(
-    ("shared", "budget", "cpu_blocks"),
-    [(False, 100, 64), (False, 5, 64), (False, 100, 6), (True, 100, 64), (True, 3, 64)],
+    ("shared", "budget", "cpu_blocks", "in_flight"),
+    [
+        (False, 100, 64, False),
+        (False, 5, 64, False),
+        (False, 100, 6, False),
+        (True, 100, 64, False),
+        (True, 3, 64, False),
+        (False, 100, 64, True),
+    ],
 )
-def test_write_through_all_copies_what_one_by_one_copies(shared, budget, cpu_blocks):
+def test_write_through_all_copies_what_one_by_one_copies(shared, budget, cpu_blocks, in_flight):
     """Written through together (one CPU allocation when no content is shared, one by one when
     some is): the same copies, block ids and tier state as `write_through` per request, within
-    the shared budget and the tier's free blocks."""
+    the shared budget and the tier's free blocks; a request's copies stop at a block an
+    unfinished copy touches (`in_flight`: the second request's second block)."""
     states, results = [], []
     for together in (True, False):
         kv = KVCacheManager(64, BS, True, cpu_blocks)
@@ -477,6 +485,8 @@ def test_write_through_all_copies_what_one_by_one_copies(shared, budget, cpu_blo
         for req in reqs:
             assert kv.allocate(req, len(req.token_ids))
             req.num_computed_tokens = len(req.token_ids)
+        if in_flight:
+            kv.pool.copied([reqs[1].block_ids[1]], step=0)
         targets = [(r, r.num_computed_tokens) for r in reqs]
         if together:
             copied, copies = kv.write_through_all(targets, budget, step=1)
@@ -491,4 +501,5 @@ def test_write_through_all_copies_what_one_by_one_copies(shared, budget, cpu_blo
         results.append(([r.request_id for r in copied], copies))
         states.append(_tier_state(kv, reqs))
     assert results[0] == results[1] and states[0] == states[1]
-    assert len(results[0][1]) == min(budget, cpu_blocks, 2 if shared else 10)  # shared: two blocks' content, once
+    # shared: two blocks' content, once; in flight: the second request's second block and on wait
+    assert len(results[0][1]) == min(budget, cpu_blocks, 2 if shared else 9 if in_flight else 10)
