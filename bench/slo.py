@@ -33,7 +33,7 @@ from superinfer.bench.vllm_peer import parse_counters
 from superinfer.bench.workload import WorkItem, load_trace, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.slo import SLO
+from superinfer.engine.slo import SLO, p99_gap
 from superinfer.engine.worker.duplex import CopyStats
 
 # The DuplexKV ablation (rotary, `--ablation`): each copy mode, and write-through off.
@@ -63,14 +63,17 @@ def step_phases(registry: CollectorRegistry) -> dict[str, float]:
 
 
 def write_step_log(path: Path, steps: list[StepLogLine], timings: list[RequestTiming], items: list[WorkItem]) -> None:
-    """The run's steps (replay's step log) and requests (arrival, TTFT, largest gap between
-    tokens, lengths) as JSON columns, for reading a run step by step after it (a GPU's lease is
-    short)."""
+    """The run's steps (replay's step log) and requests (arrival, TTFT, largest and p99 gap
+    between tokens, how many gaps exceeded its TBT SLO, lengths) as JSON columns, for reading a
+    run step by step after it (a GPU's lease is short)."""
     step_columns = {key: [step.get(key, math.nan) for step in steps] for key in steps[0]} if steps else {}
+    gaps = [t.gaps for t in timings]
     requests = {
         "arrival": [t.arrival for t in timings],
         "ttft": [t.ttft for t in timings],
-        "max_gap": [max(t.gaps, default=0.0) for t in timings],
+        "max_gap": [max(g, default=0.0) for g in gaps],
+        "p99_gap": [p99_gap(g) for g in gaps],  # what its TBT is judged by (None: under two tokens)
+        "slow_gaps": [sum(x * 1000.0 > t.slo.tbt_ms for x in g) for t, g in zip(timings, gaps, strict=True)],
         "prompt_len": [item.prompt_len for item in items],
         "output_len": [item.output_len for item in items],
     }

@@ -7,6 +7,8 @@ blocking); RotaSched rotates the long decodes to the CPU tier and serves the bur
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 
 import pytest
@@ -103,6 +105,13 @@ def test_the_step_log_file_calibrates_the_simulator(results, tmp_path):
 
     path = tmp_path / "steps.json.gz"
     write_step_log(path, ROTARY_RUN["steps"], ROTARY_RUN["timings"], ROTARY_RUN["items"])
+    requests = json.loads(gzip.decompress(path.read_bytes()))["requests"]
+    for t, p99, slow, largest in zip(
+        ROTARY_RUN["timings"], requests["p99_gap"], requests["slow_gaps"], requests["max_gap"], strict=True
+    ):
+        assert slow == sum(g > t.slo.tbt_ms / 1000.0 for g in t.gaps)
+        assert p99 is None if len(t.gaps) < 1 else p99 <= largest
+    assert any(requests["slow_gaps"]), "the burst rotates requests out: some wait past their TBT SLO"
     cost = load_calibration(path, load_model_spec("llama-3-8b"), 16)
     assert cost.base_s > 0 and len(cost.spread) == 101
     assert cost.per_block_out_s == cost.per_block_in_s > 0  # the burst rotates: its copies are timed
