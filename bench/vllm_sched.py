@@ -3,10 +3,13 @@
 The counterpart of bench/sched.py for the real vLLM: its `Scheduler` (and, with --async, its
 `AsyncScheduler`) built directly from a VllmConfig, with no engine, workers or weights. The
 situations are the same as ours: `live` requests with seeded random prompts of 64..256 tokens,
-one full-attention KV group of 16-token blocks with prefix caching, and either enough blocks for
-every prompt + 64 tokens plus `live` spare ("fits") or half of that ("contention", where vLLM
-preempts by recompute). Each step's model output is made up: every scheduled request whose
-prefill is complete gets token 7. 5 warm-up steps, then `--steps` timed ones.
+one full-attention KV group of 16-token blocks with prefix caching, and blocks for: every prompt
+and all the tokens of the run, plus `live` spare ("fits"); half of what every prompt + 64 tokens
+take ("contention", where vLLM preempts by recompute); every prompt + 256 tokens, plus `live`
+spare, with each request ending after 32-256 tokens and a new one with a new prompt taking its
+place before the next step ("churn": the first ones end after 1-256 tokens; adding a request, its
+prompt's block hashes included, is not timed). Each step's model output is made up: every
+scheduled request whose prefill is complete gets token 7. 5 warm-up steps, then `--steps` timed ones.
 
 Runs in the vLLM venv (the CPU build), not ours, from the repository root:
 
@@ -28,10 +31,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -75,12 +80,34 @@ class StepTimes:
         return [s + u for s, u in zip(self.schedule, self.update, strict=True)]
 
 
-def build(model_dir: Path, live: int, contention: bool, use_async: bool, log_stats: bool, seed: int = 0) -> Scheduler:
-    """A vLLM scheduler with `live` waiting requests, sized like bench/sched.py's."""
+SITUATIONS = ("fits", "contention", "churn")
+
+
+def new_request(rng: random.Random, i: int, churn: bool, hasher: Callable, fewest_tokens: int = 32) -> Request:
+    """bench/sched.py's request (the same draws from the same seed), as vLLM's."""
+    prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(64, 256))]
+    max_tokens = rng.randint(fewest_tokens, 256) if churn else 10_000
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(f"r{i}", prompt, params, None, arrival_time=0.0, block_hasher=hasher)
+
+
+def build(
+    model_dir: Path, live: int, situation: str, steps: int, use_async: bool, log_stats: bool, seed: int = 0
+) -> tuple[Scheduler, Callable[[], Request] | None]:
+    """A vLLM scheduler with `live` waiting requests, sized like bench/sched.py's (with `fits`,
+    every request fits for all `steps`), and with churn what makes each replacement."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 30000) for _ in range(rng.randint(64, 256))] for _ in range(live)]
-    need = sum(-(-(len(p) + 64) // BLOCK) for p in prompts)
-    usable = need // 2 if contention else need + live
+    # As EngineCore does with prefix caching on: block hashes are computed as tokens arrive.
+    hash_fn = get_hash_fn_by_name(CacheConfig(block_size=BLOCK).prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK, hash_fn)
+    churn = situation == "churn"
+    requests = [new_request(rng, i, churn, hasher, fewest_tokens=1) for i in range(live)]
+    grow = max(64, steps + WARMUP + 9) if situation == "fits" else 64
+    need = sum(-(-(r.num_prompt_tokens + grow) // BLOCK) for r in requests)
+    if churn:
+        need += 12 * live  # the longest output, 256 tokens, on top of 64
+    usable = need // 2 if situation == "contention" else need + live
     num_blocks = usable + 1  # vLLM's block pool keeps block 0 as its null block
 
     model_config = ModelConfig(
@@ -115,14 +142,12 @@ def build(model_dir: Path, live: int, contention: bool, use_async: bool, log_sta
     )
     assert sched.max_num_scheduled_tokens == MAX_BATCHED_TOKENS, sched.max_num_scheduled_tokens
 
-    # As EngineCore does with prefix caching on: block hashes are computed as tokens arrive.
-    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(BLOCK, hash_fn)
-    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        sched.add_request(Request(f"r{i}", prompt, params, None, arrival_time=0.0, block_hasher=hasher))
-    return sched
+    for req in requests:
+        sched.add_request(req)
+    if not churn:
+        return sched, None
+    rng, ids = random.Random(seed + 1), itertools.count(live)
+    return sched, lambda: new_request(rng, next(ids), churn=True, hasher=hasher)
 
 
 def runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -139,10 +164,19 @@ def runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
     )
 
 
-def time_steps(sched: Scheduler, steps: int) -> StepTimes:
+def time_steps(sched: Scheduler, steps: int, replace: Callable[[], Request] | None = None) -> StepTimes:
+    """With `replace`, the finished requests get new ones in their place between steps (untimed)."""
+    live = len(sched.requests)
+
+    def refill() -> None:
+        if replace is not None:
+            for _ in range(live - len(sched.requests)):
+                sched.add_request(replace())
+
     for _ in range(WARMUP):  # prefill everything that fits
         out = sched.schedule()
         sched.update_from_output(out, runner_output(sched, out))
+        refill()
     times = StepTimes([], [], [], [], 0)
     clock = time.perf_counter
     for _ in range(steps):
@@ -151,6 +185,7 @@ def time_steps(sched: Scheduler, steps: int) -> StepTimes:
         t1 = clock()
         sched.update_from_output(out, runner_output(sched, out))
         t2 = clock()
+        refill()
         times.schedule.append(t1 - t0)
         times.update.append(t2 - t1)
         times.scheduled_reqs.append(len(out.num_scheduled_tokens))
@@ -178,12 +213,12 @@ def main() -> None:
     figures: dict[str, dict[str, float]] = {}
     model_dir = Path(args.model_dir)
     for use_async in variants:
-        for contention in (False, True):
+        for situation in SITUATIONS:
             for live in lives:
-                sched = build(model_dir, live, contention, use_async, not args.no_log_stats)
-                t = time_steps(sched, args.steps)
+                sched, replace = build(model_dir, live, situation, args.steps, use_async, not args.no_log_stats)
+                t = time_steps(sched, args.steps, replace)
                 name = "vllm-async" if use_async else "vllm"
-                key = f"{name}-{'contention' if contention else 'fits'}-{live}"
+                key = f"{name}-{situation}-{live}"
                 figures[key] = {
                     "median_ms": 1000 * statistics.median(t.total),
                     "p90_ms": 1000 * p90(t.total),
