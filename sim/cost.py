@@ -103,6 +103,10 @@ class PromptStepCost:
     base_s: float
     per_token_s: float
     per_kcontext_s: float
+    # Its own spread (measured over predicted, as CalibratedCost.spread): on an H100 the steps with
+    # prompt tokens spread wider (99th percentile 2.7x their fit) than decode steps (1.6x). Empty:
+    # they draw from the decode steps' spread.
+    spread: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,15 +123,16 @@ class CalibratedCost(StepCost):
             return 0.0
         kcontext = plan.num_context_tokens / 1000.0
         p = self.prompt
+        spread = self.spread
         if p is not None and plan.num_tokens > plan.num_seqs:
             seconds = p.base_s + p.per_token_s * plan.num_tokens + p.per_kcontext_s * kcontext
+            spread = p.spread or spread
         else:
             seconds = super().compute(plan) + self.per_kcontext_s * kcontext
-        return seconds * self._ratio() if self.spread else seconds
+        return seconds * self._ratio(spread) if spread else seconds
 
-    def _ratio(self) -> float:
-        """A draw from the spread, interpolated between its quantiles."""
-        q = self.spread
+    def _ratio(self, q: tuple[float, ...]) -> float:
+        """A draw from a spread, interpolated between its quantiles."""
         x = self.rng.random() * (len(q) - 1)
         i = int(x)
         return q[i] + (q[min(i + 1, len(q) - 1)] - q[i]) * (x - i)
@@ -137,6 +142,10 @@ def read_json(path: Path) -> dict:
     """A JSON file, gzip-compressed or not."""
     data = Path(path).read_bytes()
     return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+
+
+def _ratios(model: StepTimeModel, steps: Sequence[tuple[StepShape, float]]) -> list[float]:
+    return [seconds / p for shape, seconds in steps if (p := model.predict(shape)) > 0]
 
 
 def _fitted(steps: Sequence[tuple[StepShape, float]]) -> StepTimeModel:
@@ -154,18 +163,17 @@ def fit_calibration(
 ) -> dict:
     """load_calibration's JSON from measured steps (shape, seconds): fitted as the engine's
     step-time model does (fixed + per token + per thousand context tokens, none negative), the
-    `prompt_steps` apart when given (those computing prompt tokens), with the measured spread
-    around the fits, and the copies' measured time per block."""
+    `prompt_steps` apart when given (those computing prompt tokens), each kind with its measured
+    spread around its fit, and the copies' measured time per block."""
     model = _fitted(steps)
     base, per_token, per_kcontext = model.coefficients() if steps else (0.0, 0.0, 0.0)
     out: dict = {"base_s": base, "per_token_s": per_token, "per_kcontext_s": per_kcontext}
-    ratios = [seconds / p for shape, seconds in steps if (p := model.predict(shape)) > 0]
     if prompt_steps:
         prompt = _fitted(prompt_steps)
         out["prompt_step"] = dict(zip(("base_s", "per_token_s", "per_kcontext_s"), prompt.coefficients(), strict=True))
-        ratios += [seconds / p for shape, seconds in prompt_steps if (p := prompt.predict(shape)) > 0]
+        out["prompt_step"]["spread"] = spread_quantiles(_ratios(prompt, prompt_steps))
     out |= {
-        "step_time_spread": spread_quantiles(ratios),
+        "step_time_spread": spread_quantiles(_ratios(model, steps)),
         "per_block_out_s": per_block_out_s,
         "per_block_in_s": per_block_in_s,
     }
@@ -202,7 +210,8 @@ def load_calibration(path: Path, model: ModelSpec, block_size: int) -> Calibrate
     """JSON {"base_s", "per_token_s", "per_seq_s", "per_kcontext_s", optionally "step_time_spread"
     (see CalibratedCost.spread), and per direction either "copy_out_gb_s"/"copy_in_gb_s" or
     "per_block_out_s"/"per_block_in_s", and optionally "prompt_step": {"base_s", "per_token_s",
-    "per_kcontext_s"} for steps that compute prompt tokens}; missing step terms are 0. Or a
+    "per_kcontext_s", optionally "spread"} for steps that compute prompt tokens}; missing step
+    terms are 0. Or a
     `bench.slo --step-log` file (gzip too), fitted by `calibration_from_step_log`."""
     raw = read_json(path)
     if "steps" in raw:
@@ -224,9 +233,18 @@ def load_calibration(path: Path, model: ModelSpec, block_size: int) -> Calibrate
         per_seq_s=float(raw.get("per_seq_s", 0.0)),
         per_kcontext_s=float(raw.get("per_kcontext_s", 0.0)),
         spread=tuple(float(r) for r in raw.get("step_time_spread", ())),
-        prompt=PromptStepCost(**raw["prompt_step"]) if "prompt_step" in raw else None,
+        prompt=_prompt_step(raw["prompt_step"]) if "prompt_step" in raw else None,
         per_block_out_s=per_block("out"),
         per_block_in_s=per_block("in"),
+    )
+
+
+def _prompt_step(raw: dict) -> PromptStepCost:
+    return PromptStepCost(
+        float(raw["base_s"]),
+        float(raw["per_token_s"]),
+        float(raw["per_kcontext_s"]),
+        tuple(float(r) for r in raw.get("spread", ())),
     )
 
 

@@ -166,8 +166,9 @@ def test_fidelity_calibration_keeps_the_spread_around_the_fit():
 def test_a_step_log_calibrates_the_simulator(tmp_path):
     """A `bench.slo --step-log` file (gzip) as --calibration: its decode steps' times fitted (4 ms +
     0.02 ms a token + 1 ms per thousand context tokens) apart from those with prompt tokens (20 ms +
-    0.005 ms a token: op by op on a GPU), all alternately 10% slower and faster, planned while the
-    step before ran (async) or after an idle gap; and its copies' time per block."""
+    0.005 ms a token: op by op on a GPU), the decode steps alternately 10% slower and faster and
+    the others 30% (each kind keeps its own spread), planned while the step before ran (async) or
+    after an idle gap; and its copies' time per block."""
     import gzip
 
     steps: dict[str, list[float]] = {k: [] for k in ("t", "done", "tokens", "seqs", "context")}
@@ -177,9 +178,10 @@ def test_a_step_log_calibrates_the_simulator(tmp_path):
         tokens, context = 1 + (i * 37) % 300, (i * 1009) % 5_000
         prompt = i % 3 == 0
         seqs = tokens // 4 + 1 if prompt and tokens > 1 else tokens
-        cost = 0.020 + 5e-6 * tokens if seqs < tokens else 0.004 + 2e-5 * tokens + 1e-3 * context / 1000
+        prompt = seqs < tokens
+        cost = 0.020 + 5e-6 * tokens if prompt else 0.004 + 2e-5 * tokens + 1e-3 * context / 1000
         planned = done + (0.5 if i % 50 == 0 else -0.001)  # every 50th after an idle half second
-        done = max(done, planned) + cost * (1.1, 0.9)[i // 3 % 2]  # (each kind of step alternates)
+        done = max(done, planned) + cost * ((1.3, 0.7) if prompt else (1.1, 0.9))[i // 3 % 2]  # (each kind alternates)
         for key, value in zip(steps, (planned, done, tokens, seqs, context, 2, 3, 5 * 0.0004), strict=True):
             steps[key].append(value)
     path = tmp_path / "steps-rotary-60.json.gz"
@@ -191,8 +193,9 @@ def test_a_step_log_calibrates_the_simulator(tmp_path):
     assert cost.prompt is not None and cost.prompt.base_s == pytest.approx(0.020, rel=0.05)
     assert cost.prompt.per_token_s == pytest.approx(5e-6, rel=0.1)
     assert cost.spread[0] == pytest.approx(0.9, abs=0.05) and cost.spread[-1] == pytest.approx(1.1, abs=0.05)
+    assert cost.prompt.spread[0] == pytest.approx(0.7, abs=0.05) and cost.prompt.spread[-1] == pytest.approx(1.3, 0.05)
     assert cost.per_block_out_s == cost.per_block_in_s == pytest.approx(0.0004)
-    flat = dataclasses.replace(cost, spread=())
+    flat = dataclasses.replace(cost, spread=(), prompt=dataclasses.replace(cost.prompt, spread=()))
     assert flat.compute(plan((0, 100))) == pytest.approx(0.020 + 5e-6 * 100, rel=0.05)  # a prompt chunk
     assert flat.compute(plan((0, 1), (999, 1))) == pytest.approx(0.004 + 4e-5 + 1e-3, rel=0.05)  # two decodes
 
