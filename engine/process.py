@@ -57,6 +57,7 @@ from superinfer.engine.model.config import ModelConfig
 from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass
+from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -384,6 +385,7 @@ def _engine_main(config: EngineConfig, pipe: Connection, log_level: int) -> None
             pipe.send(("error", picklable(exc)))
         raise SystemExit(1) from None
     child = _EngineProcess(core, pipe)
+    freeze_startup_heap("engine process")
     try:
         child.send(("ready", CoreInfo(core.max_model_len, core.model_config, core.tokenizer_dir)))
         child.run()

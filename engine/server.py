@@ -37,6 +37,7 @@ from superinfer.engine.protocol import (
 from superinfer.engine.responses import ChatFormat, ChoiceSpec, CompletionFormat
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
+from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.tokenizer import Tokenizer
 from superinfer.engine.tool_parsers import ToolParser, get_parser
 
@@ -597,6 +598,7 @@ async def serve(config: EngineConfig) -> None:
     If the engine dies (a failed step, a lost tensor-parallel worker), the live requests and any
     new ones get 503, and the server stops and raises EngineDeadError (the CLI exits non-zero)."""
     running = await start_server(config)
+    freeze_startup_heap("server process")
     log.info("serving %r on %s", config.model_name, running.url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

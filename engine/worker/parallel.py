@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.model.sharding import TensorParallel
+from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.worker.rank import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
 from superinfer.engine.worker.runner import ModelRunner, SubmittedStep
 
@@ -221,6 +222,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, pipe: Co
             return
         _, num_blocks, num_cpu_blocks = message
         runner, memory = make_runner(config, loaded, device, num_blocks, num_cpu_blocks)
+        freeze_startup_heap(f"rank {rank}")
         pipe.send(("ready", memory))
         serve_plans(runner, pipe)
     except EOFError:
