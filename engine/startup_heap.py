@@ -1,8 +1,8 @@
 """The objects a serving process holds from startup, out of the garbage collector's way.
 
 A full (generation 2) collection walks every container the process tracks: with torch, the model,
-the tokenizer and the KV pools' bookkeeping loaded, ~220k objects and ~80 ms on these CPUs for the
-tiny model. Such a collection, when the survivors of serving grow the old generation enough,
+the tokenizer and the KV pools' bookkeeping loaded, ~200k objects and 85-100 ms on these CPUs for
+the tiny model. Such a collection, when the survivors of serving grow the old generation enough,
 stalls the engine loop (every stream's next token) or the server's event loop for that long, near
 a 100 ms TBT SLO. Frozen once startup is done, those objects are never walked again; what serving
 creates is collected as before, and a startup object that becomes garbage later is still freed by

@@ -211,8 +211,7 @@ def load_calibration(path: Path, model: ModelSpec, block_size: int) -> Calibrate
     (see CalibratedCost.spread), and per direction either "copy_out_gb_s"/"copy_in_gb_s" or
     "per_block_out_s"/"per_block_in_s", and optionally "prompt_step": {"base_s", "per_token_s",
     "per_kcontext_s", optionally "spread"} for steps that compute prompt tokens}; missing step
-    terms are 0. Or a
-    `bench.slo --step-log` file (gzip too), fitted by `calibration_from_step_log`."""
+    terms are 0. Or a `bench.slo --step-log` file (gzip too), fitted by `calibration_from_step_log`."""
     raw = read_json(path)
     if "steps" in raw:
         raw = calibration_from_step_log(raw)
