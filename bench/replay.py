@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from superinfer.bench.gc_pauses import GCPauses
 from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem
@@ -78,39 +79,41 @@ def replay(
 
     nxt = 0
     start = clock()
-    while nxt < len(order) or core.scheduler.has_work or in_flight:
-        while nxt < len(order) and start + items[order[nxt]].arrival_s <= clock():
-            i = order[nxt]
-            rid = f"w{i}"
-            sampling = SamplingParams(max_tokens=items[i].output_len, temperature=0, ignore_eos=True)
-            label = items[i].label if items[i].label in core.slo_classes else DEFAULT_SLO_CLASS
-            core.add_request(
-                rid, prompts[i], sampling, items[i].slo, arrival_time=start + items[i].arrival_s, slo_class=label
-            )
-            token_times[rid] = []
-            nxt += 1
-        if not core.scheduler.has_work and not in_flight:
-            wait = start + items[order[nxt]].arrival_s - clock()
-            if virtual:
-                clock.now += wait
-            else:
-                time.sleep(max(0.0, wait))
-            continue
-        # As EngineCore.step does: with async scheduling, plan and submit step t+1, then collect t.
-        t0 = time.perf_counter()
-        plan = core.scheduler.schedule()
-        t1 = time.perf_counter()
-        entry = None
-        if step_log is not None:
-            step_log.append(entry := step_entry(core, plan, clock() - start))
-        in_flight.append((core.runner.submit(plan), timeline.run(plan, clock.now) if virtual else 0.0, entry))
-        phases = {"schedule": t1 - t0, "submit": time.perf_counter() - t1}
-        if entry is not None:
-            entry.update(schedule_s=phases["schedule"], submit_s=phases["submit"])
-        keep = 1 if core.async_scheduling and not plan.is_empty else 0
-        while len(in_flight) > keep:
-            collect(*in_flight.pop(0), phases)
-            phases = {}
+    with GCPauses() as gc_pauses:  # (the step log counts the host's collections)
+        while nxt < len(order) or core.scheduler.has_work or in_flight:
+            while nxt < len(order) and start + items[order[nxt]].arrival_s <= clock():
+                i = order[nxt]
+                rid = f"w{i}"
+                sampling = SamplingParams(max_tokens=items[i].output_len, temperature=0, ignore_eos=True)
+                label = items[i].label if items[i].label in core.slo_classes else DEFAULT_SLO_CLASS
+                core.add_request(
+                    rid, prompts[i], sampling, items[i].slo, arrival_time=start + items[i].arrival_s, slo_class=label
+                )
+                token_times[rid] = []
+                nxt += 1
+            if not core.scheduler.has_work and not in_flight:
+                wait = start + items[order[nxt]].arrival_s - clock()
+                if virtual:
+                    clock.now += wait
+                else:
+                    time.sleep(max(0.0, wait))
+                continue
+            # As EngineCore.step does: with async scheduling, plan and submit step t+1, then collect t.
+            t0 = time.perf_counter()
+            plan = core.scheduler.schedule()
+            t1 = time.perf_counter()
+            entry = None
+            if step_log is not None:
+                step_log.append(entry := step_entry(core, plan, clock() - start))
+            in_flight.append((core.runner.submit(plan), timeline.run(plan, clock.now) if virtual else 0.0, entry))
+            phases = {"schedule": t1 - t0, "submit": time.perf_counter() - t1}
+            if entry is not None:
+                entry.update(schedule_s=phases["schedule"], submit_s=phases["submit"])
+                entry.update(gc_s=gc_pauses.seconds, gc_full=gc_pauses.full)  # (cumulative, as the counters)
+            keep = 1 if core.async_scheduling and not plan.is_empty else 0
+            while len(in_flight) > keep:
+                collect(*in_flight.pop(0), phases)
+                phases = {}
     timings = [
         RequestTiming(start + items[i].arrival_s, tuple(token_times[f"w{i}"]), items[i].slo) for i in range(len(items))
     ]

@@ -34,6 +34,7 @@ from superinfer.bench.workload import WorkItem, load_trace, poisson_workload, pr
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.slo import SLO, p99_gap
+from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.worker.duplex import CopyStats
 
 # The DuplexKV ablation (rotary, `--ablation`): each copy mode, and write-through off.
@@ -121,6 +122,7 @@ def run_point(
     timeline = DeviceTimeline(duplex=core.config.duplex, async_scheduling=core.async_scheduling) if virtual else None
     copies: list[CopyStats] = []
     steps: list[StepLogLine] | None = [] if step_log else None
+    freeze_startup_heap(f"{policy} at {rate:g} req/s")  # as `superinfer serve` does; undone below
     timings, duration = replay(core, items, prompts, timeline, copies, steps)
     if step_log:
         write_step_log(step_log, steps or [], timings, items)
@@ -173,6 +175,7 @@ def run_point(
     )
     # The next point's engine sizes its KV cache from the device memory free after loading.
     core.close()
+    gc.unfreeze()  # (a frozen cycle is never collected: the engine's device memory would stay)
     del core
     gc.collect()
     if torch.cuda.is_available():

@@ -96,6 +96,8 @@ def test_the_step_log_has_every_step_and_the_guards_view(results):
     computed = [s for s in steps if s["seqs"]]  # (on the CPU each forward runs op by op, timed on the host)
     assert computed and all(s["forward"] == "op_by_op" and s["compute_s"] > 0 for s in computed)
     assert all(s["forward"] == "" for s in steps if not s["seqs"])
+    gc_seconds = [s["gc_s"] for s in steps]  # the host's collections so far, as the counters
+    assert gc_seconds == sorted(gc_seconds) and [s["gc_full"] for s in steps] == sorted(s["gc_full"] for s in steps)
 
 
 def test_the_step_log_file_calibrates_the_simulator(results, tmp_path):
