@@ -8,6 +8,7 @@ tests run compiled, and the `gpu` tests add Llama-3-8B shapes. Without triton th
 # ruff: noqa: E402 (TRITON_INTERPRET must be set before the kernel modules are imported)
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -19,6 +20,7 @@ if not GPU:
 import random
 import subprocess
 import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -404,6 +406,25 @@ def test_piecewise_graphs_give_the_op_by_op_tokens(async_scheduling: bool, fused
     assert any(piece and prompt for _, piece, prompt in steps)  # a prompt chunk through the pieces
     assert any(piece and not prompt for _, piece, prompt in steps)  # decode rows past the decode graphs'
     assert all(piece == (n <= 8) for n, piece, _ in steps) and any(n > 8 for n, _, _ in steps)
+
+
+def test_dropped_graphs_free_their_buffers_without_a_garbage_collection() -> None:
+    """The decode and piecewise graphs hold no reference cycle: dropping them frees their buffers
+    (on CUDA, their device memory) at once, also where the serving processes froze the collector."""
+    from superinfer.engine.worker.cuda_graphs import DecodeGraphs
+    from superinfer.engine.worker.piecewise_graphs import PiecewiseGraphs
+
+    runner = _engine("triton").runner
+    with torch.inference_mode():
+        decode = DecodeGraphs(runner.model, runner.kv_cache, runner.scale, 64, [1, 2])
+        piecewise = PiecewiseGraphs(runner.model, [4, 8], DEVICE, decode.pool)
+    buffers = [weakref.ref(decode.input_ids), weakref.ref(piecewise.q), weakref.ref(piecewise.hidden)]
+    gc.disable()
+    try:
+        del decode, piecewise
+        assert [buffer() for buffer in buffers] == [None, None, None]
+    finally:
+        gc.enable()
 
 
 def test_kernels_compile_for_a_gpu_without_one(tmp_path) -> None:

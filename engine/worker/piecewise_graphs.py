@@ -18,8 +18,9 @@ row by row, so the padding changes no real row. Steps past the largest count run
 
 Attention writes its output straight into the buffer. Without CUDA (tests, through Triton's
 interpreter) the same pieces run op by op over the same buffers. The graphs of all counts share
-one memory pool with the decode graphs (every tensor one graph hands to another is a buffer
-allocated before any capture) and are replayed one at a time on the compute stream.
+one memory pool with the decode graphs and are replayed one at a time on the compute stream: what
+one piece hands the next is in a buffer allocated before any capture, and a decode graph's output,
+which lives in the pool, is read on that stream before another graph replays.
 """
 
 from __future__ import annotations
@@ -83,32 +84,36 @@ class PiecewiseGraphs:
     def _pieces(self, n: int) -> list[Callable[[], None]]:
         """The forward of n rows cut at each attention: layers + 1 pieces, each reading and
         writing the buffers' first n rows."""
+        # The pieces hold the buffers' views, not self: no reference cycle keeps the device memory
+        # of dropped graphs alive until a garbage collection.
         model, layers = self.model, self.model.model.layers
         cos, sin = self.cos[:n], self.sin[:n]
+        input_ids, positions, hidden = self.input_ids[:n], self.positions[:n], self.hidden[:n]
+        q_buf, k_buf, v_buf, out, residual_buf = self.q[:n], self.k[:n], self.v[:n], self.out[:n], self.residual[:n]
 
         def keep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
-            self.q[:n].copy_(q)
-            self.k[:n].copy_(k)
-            self.v[:n].copy_(v)
-            self.residual[:n].copy_(residual)
+            q_buf.copy_(q)
+            k_buf.copy_(k)
+            v_buf.copy_(v)
+            residual_buf.copy_(residual)
 
         def first() -> None:
-            h = model.model.embed_tokens(self.input_ids[:n])
-            table_cos, table_sin = model.rotary(self.positions[:n], h.dtype)
+            h = model.model.embed_tokens(input_ids)
+            table_cos, table_sin = model.rotary(positions, h.dtype)
             cos.copy_(table_cos)
             sin.copy_(table_sin)
             keep(*layers[0].attention_inputs(h, None, cos, sin))
 
         def between(layer: int) -> Callable[[], None]:
             def piece() -> None:
-                h, residual = layers[layer - 1].after_attention(self.out[:n], self.residual[:n])
+                h, residual = layers[layer - 1].after_attention(out, residual_buf)
                 keep(*layers[layer].attention_inputs(h, residual, cos, sin))
 
             return piece
 
         def last() -> None:
-            h, residual = layers[-1].after_attention(self.out[:n], self.residual[:n])
-            self.hidden[:n].copy_(model.model.norm.add(h, residual)[0])
+            h, residual = layers[-1].after_attention(out, residual_buf)
+            hidden.copy_(model.model.norm.add(h, residual)[0])
 
         return [first, *(between(layer) for layer in range(1, len(layers))), last]
 
