@@ -84,8 +84,9 @@ class EngineConfig(BaseModel):
     )
     write_through: bool = Field(
         True,
-        description="copy full KV blocks to the CPU tier as they fill (once half the GPU pool is in use or a "
-        "request waits), so a rotation copies only the tail",
+        description="copy full KV blocks to the CPU tier as they fill (once half the GPU pool is in use, a request "
+        "has been rotated out, or the waiting requests need more blocks than are free), so a rotation copies only "
+        "the tail",
     )
     cpu_linear: Literal["onednn", "torch"] = Field(
         "onednn",
@@ -153,7 +154,7 @@ class EngineConfig(BaseModel):
         "Llama 3.x); needed for tool_choice 'auto'",
     )
     metrics_compat: Literal["vllm"] | None = None
-    max_request_bytes: int = Field(4 << 20, ge=1024)
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="largest request body accepted (else 413)")
     shutdown_timeout_s: float = Field(45.0, ge=0)
 
     @field_validator("slo_classes", mode="before")

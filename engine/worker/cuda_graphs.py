@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps: the model's forward, captured once per padded batch size.
 
 Op by op, a decode step launches some thirty kernels per layer, and on a GPU launching them takes
-longer than running them: a Llama-3-8B decode step at batch 1 took 19.4 ms op by op on an H100 and
-7.9 ms replayed as a graph. At startup the runner captures the forward of `size` decode rows into one
+longer than running them: a Llama-3-8B decode step at batch 1 took 25.4 ms op by op on an H100 and
+6.8 ms replayed as a graph. At startup the runner captures the forward of `size` decode rows into one
 graph per size, over static input buffers. A decode-only step of B rows copies its inputs into the
 first B rows of those buffers, pads the others (their KV writes are skipped and they read no keys,
 so their outputs are garbage nobody reads) and replays the graph of the smallest size that holds

@@ -3,12 +3,13 @@ next, captured per padded token count, with attention run op by op between them.
 
 A step with a prompt chunk cannot replay a decode graph: its attention's launches depend on its
 batch (the prompt tokens' tiles, the decode rows, their splits). Op by op, the other ~10 kernels a
-layer are host-bound: on an H100 a Llama-3-8B step with prompt tokens took ~23 ms whatever its
-tokens, where a decode step replayed in a graph took ~8 ms. So for each padded token count the
-runner captures `layers + 1` graphs over static buffers: the embedding, the RoPE tables and layer
-0 up to its attention; each layer's second half with the next layer's first (output projection,
-norms, MLP, the next q/k/v and RoPE); the last layer's second half with the final norm. Between
-graphs flow q, k, v, the residual stream, the RoPE tables and attention's output, in buffers.
+layer are host-bound: on an H100 a Llama-3-8B step with a 256-token prompt chunk beside its decodes
+took 29-33 ms whatever the batch, where a decode step replayed in a graph took 7-13 ms. So for each
+padded token count the runner captures `layers + 1` graphs over static buffers: the embedding, the
+RoPE tables and layer 0 up to its attention; each layer's second half with the next layer's first
+(output projection, norms, MLP, the next q/k/v and RoPE); the last layer's second half with the
+final norm. Between graphs flow q, k, v, the residual stream, the RoPE tables and attention's
+output, in buffers.
 
 A step of n tokens takes the smallest count >= n: its token ids and positions go into the first
 n rows (the other rows get token 0 at position 0), graph 0 replays, then for each layer attention
