@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.core.request import SEED_MAX, SEED_MIN, SamplingParams
 from superinfer.engine.guided import GrammarError, GuidedSpec
 
 
@@ -98,7 +98,7 @@ class _Common(_Body):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
@@ -193,8 +193,11 @@ class _Common(_Body):
 
 
 def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index` of a request: its own seed (seed + index), so choices differ reproducibly."""
-    return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)
+    """Choice `index` of a request: its own seed (seed + index, wrapped into 64 bits), so choices
+    differ reproducibly."""
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
 
 
 class CompletionRequest(_Common):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 import time
 import uuid
@@ -51,6 +52,29 @@ def common_prefix(paths: list[tuple]) -> tuple:
     first = paths[0]
     n = next((i for i in range(len(first)) if any(len(p) <= i or p[i] != first[i] for p in paths)), len(first))
     return first[:n]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+# Only an escape writes a UTF-16 surrogate into a JSON string (UTF-8 cannot encode one).
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json(body: bytes) -> Any:
+    """A request body's JSON; a 400 for what is not JSON text: invalid UTF-8, NaN and Infinity,
+    nesting deeper than the parser's recursion, a string with half a surrogate pair."""
+    try:
+        raw = json.loads(body.decode(), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    if _ESCAPED_SURROGATE.search(body):
+        try:
+            json.dumps(raw, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise APIError(400, "the request body has a string with an unpaired UTF-16 surrogate") from exc
+    return raw
 
 
 def validate(model: type[BaseModel], raw: dict[str, Any]) -> Any:
@@ -200,9 +224,10 @@ class OpenAIServer:
 
     async def _parse(self, request: web.Request, model: type[BaseModel]) -> Any:
         try:
-            raw = await request.json()
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+            data = await request.read()
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body is not in
+            raise APIError(400, f"the request body could not be read: {exc}") from exc
+        raw = parse_json(data)
         if not isinstance(raw, dict):
             raise APIError(400, "the request body must be a JSON object")
         body = validate(model, raw)
@@ -254,14 +279,14 @@ class OpenAIServer:
         slo, priority = resolve(classes[name], targets["ttft"], targets["tbt"], body.priority)
         return name, slo, priority
 
-    def _max_tokens(self, requested: int | None, num_prompt: int) -> int:
+    def _max_tokens(self, requested: int | None, num_prompt: int, prompt_field: str) -> int:
         room = self.core.max_model_len - num_prompt
         if room < 1:
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.core.max_model_len} tokens; "
                 f"the prompt has {num_prompt} tokens",
-                param="messages",
+                param=prompt_field,
                 code="context_length_exceeded",
             )
         if requested is None:
@@ -367,7 +392,7 @@ class OpenAIServer:
         rid = f"cmpl-{uuid.uuid4().hex}"
         specs, requests = [], []
         for p, (prompt, ids) in enumerate(zip(body.prompts(), prompts, strict=True)):
-            max_tokens = self._max_tokens(1 if score_only else body.max_tokens, len(ids))
+            max_tokens = self._max_tokens(1 if score_only else body.max_tokens, len(ids), "prompt")
             sampling = body.sampling(max_tokens, body.logprobs, self.core.model_config.vocab_size, prompt_lps, guided)
             echo = None
             if body.echo:
@@ -394,7 +419,7 @@ class OpenAIServer:
             guided, param = GuidedSpec("grammar", grammar), "tool_choice"
         guided = await self._compiled(guided, param)
         ids = self._tokenizer().encode(self._chat_prompt(body), add_special_tokens=body.add_special_tokens)
-        max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids))
+        max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids), "messages")
         vocab = self.core.model_config.vocab_size
         sampling = body.sampling(max_tokens, body.requested_logprobs(), vocab, guided=guided)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -51,6 +51,17 @@ async def test_n_choices_differ_and_repeat_with_a_seed(client, server):
     assert await all_blocks_free(server)
 
 
+async def test_seeds_at_the_ends_of_64_bits_serve_every_choice(server):
+    """Choice i draws with seed + i, wrapped into 64 bits: the largest seed with n = 2 serves both
+    choices (the second with the smallest seed), where an overflow had stopped the engine."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "n": 2, "ignore_eos": True}
+    status, top = await post(server, c.COMPLETIONS_PATH, {**body, "seed": 2**63 - 1})
+    assert status == 200 and len(top["choices"]) == 2
+    status, bottom = await post(server, c.COMPLETIONS_PATH, {**body, "n": 1, "seed": -(2**63)})
+    assert status == 200 and bottom["choices"][0]["text"] == top["choices"][1]["text"]
+    assert await all_blocks_free(server)
+
+
 async def test_later_choices_share_the_first_ones_prompt_blocks(server):
     engine: AsyncEngine = server.server.engine
     prompt = list(range(3, 3 + 70))  # 4 full blocks of 16, and a partial one

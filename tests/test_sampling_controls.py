@@ -135,6 +135,8 @@ def test_sampling_params_reject_out_of_range_controls():
         {"repetition_penalty": 0},
         {"min_p": 1.5},
         {"prompt_logprobs": 21},
+        {"seed": 2**64},  # past what a generator takes: refused here, not in the engine's step
+        {"seed": -(2**63) - 1},
     ):
         with pytest.raises(ValueError, match=next(iter(change))):
             dataclasses.replace(SamplingParams(), **change)

@@ -126,7 +126,13 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, {"model": "gpt-nope", "prompt": "x"}, 404, "model"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
-    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": list(range(3, 300)), "max_tokens": 1}, 400, "messages"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": list(range(3, 300)), "max_tokens": 1}, 400, "prompt"),
+    (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": {"[" * 20_000}{"]" * 20_000}}}'.encode(), 400, None),
+    (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": "'.encode() + b'\xff\xfe"}', 400, None),
+    (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": "\\ud800"}}'.encode(), 400, None),
+    (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": "x", "logit_bias": {{"5": NaN}}}}'.encode(), 400, None),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "temprature": 1}, 400, "temprature"),
@@ -173,6 +179,13 @@ async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server,
                     assert payload["error"]["message"]
                     if param is not None:
                         assert payload["error"]["param"] == param, (body, payload)
+        not_gzip = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        data = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+        async with (
+            aiohttp.ClientSession() as fresh,
+            fresh.post(server.url + c.COMPLETIONS_PATH, data=data, headers=not_gzip) as resp,
+        ):
+            assert resp.status == 400 and "could not be read" in (await resp.json())["error"]["message"]
         big = json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode()
         async with http.post(server.url + c.COMPLETIONS_PATH, data=big) as resp:
             assert resp.status == 413 and "error" in await resp.json()

@@ -26,6 +26,8 @@ class RequestStatus(enum.Enum):
 # asked of every running request every step.)
 _FINISHED = RequestStatus.FINISHED
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit seed, as torch's generators take
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"
@@ -58,6 +60,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
