@@ -247,7 +247,16 @@ class EngineCore:
 
     # --- requests ----------------------------------------------------------------------------
     def validate(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """A ValueError for a request the engine cannot take: too long, or naming a token past the
+        vocabulary (the sampler indexes the logits with its stop tokens and biased ones)."""
         self.scheduler.check_fits(num_prompt_tokens, sampling.max_tokens)
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", [t for t, _ in sampling.logit_bias]),
+        ):
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name} must be token ids in [0, {vocab}), got {list(ids)}")
 
     def add_request(
         self,

@@ -139,6 +139,14 @@ class _Common(_Body):
             pairs.append((int(key), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias))))
         return tuple(pairs)
 
+    def stop_token_id_tuple(self, vocab_size: int) -> tuple[int, ...]:
+        ids = tuple(self.stop_token_ids or ())
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise APIError(
+                400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {list(ids)}", param="stop_token_ids"
+            )
+        return ids
+
     def guided(self) -> GuidedSpec | None:
         """The output constraint the request sets (response_format or vLLM's fields), if any."""
         try:
@@ -175,7 +183,7 @@ class _Common(_Body):
                 min_p=self.min_p,
                 seed=self.seed,
                 stop=self.stops(),
-                stop_token_ids=tuple(self.stop_token_ids or ()),
+                stop_token_ids=self.stop_token_id_tuple(vocab_size),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,

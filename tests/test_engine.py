@@ -205,6 +205,20 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached(tiny):
     assert first not in out[:3]
 
 
+def test_token_ids_past_the_vocabulary_are_refused_before_the_step(tiny):
+    """The sampler indexes the logits with a request's banned and biased tokens: one past the
+    vocabulary is the request's error at validation, not the engine's in a step."""
+    vocab = tiny.model_config.vocab_size
+    for bad in (
+        SamplingParams(min_tokens=1, stop_token_ids=(vocab,)),
+        SamplingParams(min_tokens=1, stop_token_ids=(-1,)),
+        SamplingParams(logit_bias=((vocab + 5, 1.0),)),
+    ):
+        with pytest.raises(ValueError, match="must be token ids in"):
+            tiny.validate(3, bad)
+    tiny.validate(3, SamplingParams(min_tokens=1, stop_token_ids=(vocab - 1,), logit_bias=((0, 1.0),)))
+
+
 def test_stop_string_on_the_last_allowed_token_reports_stop(tiny):
     prompt = tiny.tokenizer.encode("Tell me about the sea")
     tiny.add_request("full", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))

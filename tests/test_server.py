@@ -132,6 +132,18 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": "\\ud800"}}'.encode(), 400, None),
     (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": "x", "logit_bias": {{"5": NaN}}}}'.encode(), 400, None),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    (
+        c.COMPLETIONS_PATH,
+        {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [10**9]},
+        400,
+        "stop_token_ids",
+    ),
+    (
+        c.COMPLETIONS_PATH,
+        {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [-1]},
+        400,
+        "stop_token_ids",
+    ),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
