@@ -114,12 +114,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     assert other_seed["y"] != alone
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy(tiny):
+def test_top_k_one_tiny_top_p_and_tiny_temperatures_are_greedy(tiny):
+    """(A temperature of 1e-300 divided the logits into inf and NaN, which sampled the last token.)"""
     prompt = random_prompts(1, tiny.model_config.vocab_size, seed=6)["r0"]
     greedy = run(tiny, {"g": prompt})["g"]
     top_k = run(tiny, {"k": prompt}, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True))["k"]
     top_p = run(tiny, {"p": prompt}, SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, ignore_eos=True))["p"]
-    assert greedy == top_k == top_p
+    cold = run(tiny, {"t": prompt}, SamplingParams(max_tokens=12, temperature=1e-300, seed=3, ignore_eos=True))["t"]
+    assert greedy == top_k == top_p == cold
 
 
 def test_stop_string_truncates_text_and_finishes(tiny):

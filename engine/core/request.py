@@ -27,6 +27,7 @@ class RequestStatus(enum.Enum):
 _FINISHED = RequestStatus.FINISHED
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit seed, as torch's generators take
+GREEDY_TEMPERATURE = 1e-5  # and below: greedy (vLLM's threshold too)
 
 
 class FinishReason(str, enum.Enum):
@@ -92,7 +93,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Below GREEDY_TEMPERATURE dividing the logits would overflow toward inf (and NaN
+        probabilities) for what is greedy sampling anyway."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(eq=False, slots=True)
