@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from superinfer.engine.core.request import SEED_MAX, SEED_MIN, SamplingParams
 from superinfer.engine.guided import GrammarError, GuidedSpec
@@ -246,6 +246,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Name a part this text-only server does not take, rather than the string the content
+        could also have been."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported: this server takes text parts only")
+        return content
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # an assistant's may be tool calls only
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if self.content is None:

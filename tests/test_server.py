@@ -159,6 +159,13 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": [10**9], "max_tokens": 1}, 400, None),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "slo": {"ttft_ms": -5}}, 400, "slo.ttft_ms"),
     (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": []}, 400, "messages"),
+    (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages.0"),
+    (
+        c.CHAT_COMPLETIONS_PATH,
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages.0.content",
+    ),
     (c.CHAT_COMPLETIONS_PATH, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     (
         c.CHAT_COMPLETIONS_PATH,
