@@ -18,6 +18,9 @@ from superinfer.operator.api import quantity
 from superinfer.operator.api.inference_service import InferenceServiceSpec
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+EPP_SUFFIX = "-epp"  # the endpoint picker's default Service name: <name>-epp
 # Flags the operator renders itself; setting them in engine.args would fight the spec.
 RENDERED_FLAGS = (
     "--model",
@@ -53,7 +56,7 @@ def validate(name: str, raw_spec: Mapping[str, Any]) -> Outcome:
         spec = InferenceServiceSpec.model_validate(dict(raw_spec))
     except ValidationError as exc:
         return Outcome(None, problems + format_errors(exc))
-    problems += semantic_problems(spec)
+    problems += semantic_problems(spec, name)
     return Outcome(spec, problems)
 
 
@@ -75,8 +78,28 @@ def format_errors(exc: ValidationError) -> list[str]:
     return out
 
 
-def semantic_problems(spec: InferenceServiceSpec) -> list[str]:
+def _is_zero(value: int | str) -> bool:
+    return str(value).removesuffix("%") == "0"
+
+
+def semantic_problems(spec: InferenceServiceSpec, name: str = "") -> list[str]:
     problems: list[str] = []
+    if _is_zero(spec.rollout.max_surge) and _is_zero(spec.rollout.max_unavailable):
+        problems.append("rollout.maxSurge and rollout.maxUnavailable cannot both be 0: a rollout could never start")
+    if spec.scheduling.gpu_product and not LABEL_VALUE.match(spec.scheduling.gpu_product):
+        problems.append(
+            f"scheduling.gpuProduct {spec.scheduling.gpu_product!r} is not a label value (at most 63 letters, "
+            "digits, '-', '_' or '.', starting and ending with a letter or digit)"
+        )
+    for key, value in spec.monitoring.labels.items():
+        if not LABEL_KEY.match(key) or not LABEL_VALUE.match(value):
+            problems.append(f"monitoring.labels has {key}: {value!r}, which is not a valid label")
+    pool = spec.routing.inference_pool
+    if pool.enabled and not pool.endpoint_picker.name and len(name) + len(EPP_SUFFIX) > 63:
+        problems.append(
+            f"routing.inferencePool.endpointPicker.name is needed: the default, {name}{EPP_SUFFIX}, is longer than "
+            "a Service name may be (63)"
+        )
     offload = spec.kv_cache.cpu_offload
     if offload is not None:
         need = quantity.gib(offload.size) + MEMORY_HEADROOM_GIB

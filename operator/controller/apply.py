@@ -23,15 +23,20 @@ CONFLICT_RETRIES = 3
 QUANTITY_MAPS = ("requests", "limits")
 
 
+class NotOurs(Exception):
+    """The object exists and this owner does not control it: it is left as it is."""
+
+
 def is_subset(want: Any, have: Any, quantities: bool = False) -> bool:
     """Whether `have` already contains everything in `want` (dicts partially, lists item by item).
 
     Values of `requests`/`limits` maps are compared as quantities: the API server stores them in
-    canonical form ("0.5" comes back as "500m"), which is not drift.
+    canonical form ("0.5" comes back as "500m"), which is not drift. A key we want empty ("", 0,
+    false, {}, [], null) may be absent: the API server leaves empty fields out.
     """
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(
-            k in have and is_subset(v, have[k], quantities or k in QUANTITY_MAPS) for k, v in want.items()
+            is_subset(v, have[k], quantities or k in QUANTITY_MAPS) if k in have else not v for k, v in want.items()
         )
     if isinstance(want, list):
         return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
@@ -82,6 +87,11 @@ def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("status",)}
 
 
+def _controller_uid(obj: Mapping[str, Any]) -> str | None:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return next((ref.get("uid") for ref in refs if ref.get("controller")), None)
+
+
 def patch_for(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any] | None:
     """The merge patch that turns `current` into `desired`, or None when nothing is to do."""
     if is_subset(desired, current):
@@ -95,7 +105,8 @@ async def apply(kube: Kube, obj: Mapping[str, Any], cached: Mapping[str, Any] | 
     """Create the object, or patch it back to what we want; retries 409 conflicts.
 
     `cached` is the object as the operator's watch last saw it (None: not seen); the first attempt
-    trusts it, and a conflict (it was stale) makes the retries read the API server.
+    trusts it, and a conflict (it was stale) makes the retries read the API server. An object of
+    the same name that another owner (or none) controls raises NotOurs: it is never taken over.
     """
     res = BY_KIND[obj["kind"]]
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
@@ -106,6 +117,12 @@ async def apply(kube: Kube, obj: Mapping[str, Any], cached: Mapping[str, Any] | 
             if current is None:
                 await kube.create(res, ns, desired)
                 return "created"
+            owner = _controller_uid(desired)
+            if owner is not None and _controller_uid(current) != owner:
+                raise NotOurs(
+                    f"a {obj['kind']} named {ns}/{name} already exists and this InferenceService does not own it: "
+                    "delete or rename that object, or give the InferenceService another name"
+                )
             patch = patch_for(current, desired)
             if patch is None:
                 return "unchanged"

@@ -13,6 +13,14 @@ from typing import Any
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 ROLLUP_ORDER = ("Validated", "ModelReady", "WorkloadReady", "ServiceReady", "MetricsAvailable", "ScalingReady")
+# Reasons that wait on the user or the admin, not on time: Ready reports them before anything that
+# is still in progress (a pod that cannot be scheduled before the model "loading" in no pod).
+NEEDS_ACTION = frozenset(
+    {"InvalidSpec", "ChildRejected", "CrashLoop", "FailedToLoad", "InsufficientCapacity", "ProgressDeadlineExceeded",
+     "ReplicaFailure"}
+)  # fmt: skip
+IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName")
+CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError")  # e.g. a missing Secret or key
 INFORMATIONAL = ("SLOMet", "RoutingReady")
 
 
@@ -70,30 +78,34 @@ def unschedulable_message(pod: Mapping[str, Any]) -> str | None:
 
 
 def pod_failure(pod: Mapping[str, Any]) -> PodFailure | None:
-    """A crash loop or a failed model load of the engine container, with its exit code."""
-    for cs in pod.get("status", {}).get("containerStatuses", []) or []:
+    """A crash loop or a failed model load of the engine container or of an init container (the
+    model download), with its exit code."""
+    status = pod.get("status", {})
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        container = f"container {cs.get('name', '?')}"
         state, last = cs.get("state", {}) or {}, cs.get("lastState", {}) or {}
         terminated = state.get("terminated") or last.get("terminated") or {}
         code = terminated.get("exitCode")
         waiting = state.get("waiting") or {}
         detail = terminated.get("message") or terminated.get("reason") or ""
         suffix = f": {detail.strip()[-300:]}" if detail else ""
+        logs = f"kubectl logs {_name(pod)} -c {cs.get('name', '?')}"
         if waiting.get("reason") == "CrashLoopBackOff":
             return PodFailure(
                 "CrashLoop",
-                f"engine container of pod {_name(pod)} is crash-looping (exit code {code}, "
-                f"{cs.get('restartCount', 0)} restarts){suffix}; see kubectl logs --previous {_name(pod)}",
+                f"{container} of pod {_name(pod)} is crash-looping (exit code {code}, "
+                f"{cs.get('restartCount', 0)} restarts){suffix}; see {logs} --previous",
                 code,
             )
         if code not in (None, 0) and not cs.get("ready"):
             return PodFailure(
                 "FailedToLoad",
-                f"engine in pod {_name(pod)} exited with code {code} before becoming ready{suffix}; "
-                f"see kubectl logs {_name(pod)}",
+                f"{container} of pod {_name(pod)} exited with code {code} before becoming ready{suffix}; see {logs}",
                 code,
             )
-        if waiting.get("reason") in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
-            return PodFailure("FailedToLoad", f"pod {_name(pod)}: {waiting.get('message') or waiting['reason']}", None)
+        if waiting.get("reason") in IMAGE_ERRORS + CONFIG_ERRORS:
+            detail = waiting.get("message") or waiting["reason"]
+            return PodFailure("FailedToLoad", f"{container} of pod {_name(pod)}: {detail}", None)
     return None
 
 
@@ -146,6 +158,8 @@ def workload_ready(obs: Observed) -> Cond:
     for cond in status.get("conditions", []) or []:
         if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
             return Cond("WorkloadReady", FALSE, "ProgressDeadlineExceeded", cond.get("message", ""))
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == TRUE:  # pods refused: quota, policy
+            return Cond("WorkloadReady", FALSE, "ReplicaFailure", cond.get("message") or cond.get("reason", ""))
     if ready >= obs.desired_replicas:
         return Cond("WorkloadReady", TRUE, "Available", f"{ready}/{obs.desired_replicas} replicas ready")
     return Cond("WorkloadReady", FALSE, "Progressing", f"{ready}/{obs.desired_replicas} replicas ready")
@@ -160,12 +174,14 @@ def service_ready(obs: Observed) -> Cond:
 
 
 def rollup(conds: Iterable[Cond]) -> Cond:
+    """Ready: the first condition that is not True, in ROLLUP_ORDER, those that need action first."""
     by_type = {c.type: c for c in conds}
-    for ctype in ROLLUP_ORDER:
-        cond = by_type.get(ctype)
-        if cond is not None and cond.status != TRUE:
-            reason = cond.reason if cond.status == FALSE else f"{ctype}Unknown"
-            return Cond("Ready", FALSE, reason, f"{ctype}: {cond.message}")
+    ordered = [by_type[t] for t in ROLLUP_ORDER if t in by_type and by_type[t].status != TRUE]
+    ordered.sort(key=lambda c: c.status != FALSE or c.reason not in NEEDS_ACTION)  # stable: keeps the order
+    if ordered:
+        cond = ordered[0]
+        reason = cond.reason if cond.status == FALSE else f"{cond.type}Unknown"
+        return Cond("Ready", FALSE, reason, f"{cond.type}: {cond.message}")
     return Cond("Ready", TRUE, "Ready", "the service is ready")
 
 

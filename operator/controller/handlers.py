@@ -125,7 +125,7 @@ def build_registry(config: Config) -> tuple[kopf.OperatorRegistry, State]:
         elif (body.spec.get("autoscaling") or {}).get("enabled"):
             state.autoscaled[key] = body
         else:
-            state.autoscaled.pop(key, None)
+            state.stop_autoscaling(key)
 
     async def child_event(body: kopf.Body, **kwargs: Any) -> None:
         capture_indexes(state, kwargs)

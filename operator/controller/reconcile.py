@@ -17,7 +17,7 @@ from superinfer.operator.api import names
 from superinfer.operator.api.inference_service import InferenceServiceSpec
 from superinfer.operator.api.validation import validate
 from superinfer.operator.controller import conditions, events
-from superinfer.operator.controller.apply import apply
+from superinfer.operator.controller.apply import NotOurs, apply
 from superinfer.operator.controller.conditions import Observed
 from superinfer.operator.controller.kube_client import (
     BY_KIND,
@@ -59,10 +59,12 @@ async def apply_children(state: State, owner: Mapping[str, Any], spec: Inference
     for child in children:
         try:
             action = await apply(state.kube, child, await state.child(BY_KIND[child["kind"]], ctx.namespace, ctx.name))
+        except NotOurs as exc:
+            return str(exc)
         except ApiError as exc:
-            if exc.status not in (400, 422):
+            if exc.status not in (400, 403, 422):  # invalid, or refused by RBAC, a quota or an admission policy
                 raise
-            return rejection(child["kind"], exc.message)
+            return rejection(child["kind"], exc.status, exc.message)
         if action != "unchanged":
             reason = f"{child['kind']}{action.capitalize()}"
             await events.post(state.kube, owner, reason, f"{child['kind']} {action}", state.config.clock())
@@ -77,7 +79,12 @@ async def apply_children(state: State, owner: Mapping[str, Any], spec: Inference
     return ""
 
 
-def rejection(kind: str, message: str) -> str:
+def rejection(kind: str, status: int, message: str) -> str:
+    if status == 403:
+        return (
+            f"the API server forbade the rendered {kind}: {message}; an RBAC rule, a ResourceQuota or an "
+            "admission policy refused it: ask the cluster's admin, or lower what the InferenceService asks for"
+        )
     return (
         f"the API server rejected the rendered {kind}: {message}; fix the field it names in the "
         "InferenceService (often spec.template, spec.resources or spec.scheduling)"
@@ -195,9 +202,24 @@ def _condition_message(status: Mapping[str, Any], ctype: str) -> str | None:
     return cond.get("message") if cond and cond.get("status") == conditions.FALSE else None
 
 
+def merge_patched(target: Any, patch: Any) -> Any:
+    """`target` after a JSON merge patch (RFC 7386): nulls remove, objects merge key by key."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patched(out.get(key), value)
+    return out
+
+
 def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether writing `new` as a merge patch would change `old` (a null for what is already
+    absent changes nothing)."""
     old = old or {}
-    return any(old.get(k) != v for k, v in new.items())
+    return merge_patched(old, new) != old
 
 
 async def resync(state: State, namespace: str, name: str) -> str:

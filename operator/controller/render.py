@@ -261,7 +261,6 @@ def engine_container(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any]
         "ports": [{"name": names.PORT_NAME, "containerPort": contract.DEFAULT_PORT, "protocol": "TCP"}],
         "resources": container_resources(spec),
         **probes(spec),
-        "lifecycle": {"preStop": {"sleep": {"seconds": spec.drain.pre_stop_seconds}}},
         "securityContext": container_security(),
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
@@ -269,6 +268,8 @@ def engine_container(ctx: Context, spec: InferenceServiceSpec) -> dict[str, Any]
             *model_mounts(spec),
         ],
     }
+    if spec.drain.pre_stop_seconds:  # (a zero-second sleep is invalid before Kubernetes 1.33)
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": spec.drain.pre_stop_seconds}}}
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     return container

@@ -113,6 +113,13 @@ class State:
             self.scalers[key] = scaler
         return scaler
 
+    def stop_autoscaling(self, key: tuple[str, str]) -> None:
+        """Autoscaling turned off: its scaler and gauges go, so turning it on again starts afresh
+        (as after a restart) rather than from a stale memory of the replicas it last wrote."""
+        self.autoscaled.pop(key, None)
+        if self.scalers.pop(key, None) is not None:
+            self.metrics.forget_autoscaler(*key)
+
     def forget(self, key: tuple[str, str]) -> None:
         self.scalers.pop(key, None)
         self.autoscaled.pop(key, None)

@@ -32,13 +32,16 @@ class OperatorMetrics:
         self.reconcile_errors = Counter(PREFIX + "reconcile_errors", "Failed reconciliations", LABELS, registry=r)
 
     def forget(self, namespace: str, name: str) -> None:
-        for gauge in (
-            self.desired_replicas,
-            self.current_replicas,
-            self.ready_replicas,
-            self.slo_attainment,
-            self.slo_target,
-        ):
+        self._remove(namespace, name, self.current_replicas, self.ready_replicas, self.slo_target)
+        self.forget_autoscaler(namespace, name)
+
+    def forget_autoscaler(self, namespace: str, name: str) -> None:
+        """The gauges only the autoscaler sets."""
+        self._remove(namespace, name, self.desired_replicas, self.slo_attainment)
+
+    @staticmethod
+    def _remove(namespace: str, name: str, *gauges: Gauge) -> None:
+        for gauge in gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(namespace, name)
 

@@ -106,6 +106,9 @@ INVALID = [
     ({"resources": {"memory": "-1Gi"}}, "must not be negative"),
     ({"engine": {"args": ["--api-key=sk-123"]}}, "set engine.apiKeySecretRef"),
     ({"replicas": -1}, "spec.replicas: Input should be greater than or equal to 0"),
+    ({"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0"),
+    ({"scheduling": {"gpuProduct": "NVIDIA H100 80GB HBM3!"}, "resources": {"gpus": 1}}, "is not a label value"),
+    ({"monitoring": {"labels": {"release": "prom stack"}}}, "which is not a valid label"),
 ]
 
 
@@ -120,6 +123,14 @@ def test_invalid_specs_get_actionable_messages(patch, message):
     outcome = validate("svc", merged(patch))
     assert not outcome.ok
     assert message in outcome.message
+
+
+def test_a_name_too_long_for_the_endpoint_pickers_default_service_asks_for_its_name():
+    name = "a" * 60
+    spec = merged({"routing": {"inferencePool": {"enabled": True}}})
+    assert "endpointPicker.name is needed" in validate(name, spec).message
+    spec["routing"]["inferencePool"]["endpointPicker"] = {"name": "picker"}
+    assert validate(name, spec).ok
 
 
 def test_bad_names_are_rejected():

@@ -40,6 +40,18 @@ def test_server_defaults_and_canonical_quantities_are_not_drift():
     assert patch_for(as_stored(desired), desired) is None
 
 
+def test_empty_values_the_api_server_leaves_out_are_not_drift():
+    """(An env var with an empty value came back without it: the Deployment was patched, and an
+    Event posted, on every reconcile.)"""
+    desired = deployment({"cpu": "0.5", "memory": "1Gi"})
+    container(desired)["env"].append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
+    stored = as_stored(desired)
+    del container(stored)["env"][-1]["value"]
+    assert patch_for(stored, desired) is None
+    container(stored)["env"][-1]["value"] = "0"  # a value we do not want is still drift
+    assert patch_for(stored, desired) is not None
+
+
 def test_a_different_quantity_is_drift():
     desired = deployment({"cpu": "2", "memory": "1Gi"})  # stored as cpu "7" by as_stored
     patch = patch_for(as_stored(desired), desired)

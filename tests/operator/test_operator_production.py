@@ -11,13 +11,13 @@ import kmock as km
 import pytest
 
 from superinfer.operator.api import names
-from superinfer.operator.controller.kube_client import PODS, ApiError
+from superinfer.operator.controller.kube_client import PODS, SERVICES, ApiError
 from superinfer.operator.controller.reconcile import ISVC
 from superinfer.operator.controller.timestamps import now_iso
 from tests.operator.conftest import ISVC_RES, eventually, isvc
 from tests.operator.test_operator_kmock import pod
 
-DEP = "apps/v1/deployments"
+DEP, SVC = "apps/v1/deployments", "v1/services"
 TINY = {"model": {"uri": "preset://tiny"}, "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"}}
 AUTO = {**TINY, "autoscaling": {"enabled": True, "maxReplicas": 4, "intervalSeconds": 1, "initialDelaySeconds": 600}}
 
@@ -165,3 +165,33 @@ async def test_routing_without_the_inference_extension_says_what_to_install(runn
     cond = await running.wait_condition("chat", "RoutingReady", status="False")
     assert cond["reason"] == "InferencePoolAPIMissing"
     assert running.condition("chat", "Ready")["reason"] != "InferencePoolAPIMissing"  # serving does not need it
+
+
+async def test_an_object_of_the_same_name_that_another_owns_is_never_taken_over(running):
+    """A Service the user made before (no owner) keeps its selector and gains no owner reference
+    (which would have had the garbage collector delete it with the InferenceService)."""
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x", "namespace": "default"},
+              "spec": {"selector": {"app": "users-own"}, "ports": [{"port": 80}]}}  # fmt: skip
+    await running.api.create(SERVICES, "default", theirs)
+    await running.create_isvc("x", TINY)
+    cond = await running.wait_condition("x", "WorkloadReady", reason="ChildRejected")
+    assert "already exists and this InferenceService does not own it" in cond["message"]
+    service = running.obj(SVC, "x")
+    assert service["spec"]["selector"] == {"app": "users-own"} and not service["metadata"].get("ownerReferences")
+
+
+async def test_a_child_forbidden_by_a_policy_or_quota_gives_a_condition_not_endless_retries(running):
+    message = 'deployments.apps "q" is forbidden: exceeded quota: gpus, requested: nvidia.com/gpu=1'
+    running.kmock.refuse("POST", "deployments", 403, message, times=1000)
+    await running.create_isvc("q", TINY)
+    cond = await running.wait_condition("q", "WorkloadReady", reason="ChildRejected")
+    assert message in cond["message"] and "admission policy" in cond["message"]
+    assert running.condition("q", "Ready")["reason"] == "ChildRejected"
+
+
+async def test_autoscaling_turned_off_forgets_its_scaler(running):
+    await running.create_isvc("auto", AUTO)
+    await eventually(lambda: ("default", "auto") in running.state.scalers)
+    await running.api.patch(ISVC, "default", "auto", {"spec": {"autoscaling": {"enabled": False}}})
+    await eventually(lambda: ("default", "auto") not in running.state.scalers)
+    assert ("default", "auto") not in running.state.autoscaled

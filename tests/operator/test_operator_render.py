@@ -91,7 +91,8 @@ def test_grace_period_is_prestop_plus_shutdown_plus_5(pre_stop, shutdown):
     dep = by_kind(render(Context("t", "ns"), spec))["Deployment"]
     pod = dep["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == pre_stop + shutdown + 5
-    assert pod["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": pre_stop}}
+    pre_stop_hook = {"preStop": {"sleep": {"seconds": pre_stop}}} if pre_stop else None  # 0 s: invalid before 1.33
+    assert pod["containers"][0].get("lifecycle") == pre_stop_hook
 
 
 def test_probes_and_security():
