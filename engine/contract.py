@@ -36,6 +36,8 @@ BUILTIN_SLO_CLASSES = {
 # Server-wide SLO defaults (the paper's: 5 s time to first token, 100 ms between tokens).
 DEFAULT_TTFT_SLO_MS = 5000.0
 DEFAULT_TBT_SLO_MS = 100.0
+MAX_SLO_MS = 1e12  # ~30 years, "no SLO" in practice: targets must be finite (the TBT guard divides by them)
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # a request's priority: 32 bits (the ranking's columns)
 
 POLICIES = ("fcfs", "rotary", "watermark")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from superinfer.engine.config import EngineConfig
-from superinfer.engine.contract import DEFAULT_SLO_CLASS
+from superinfer.engine.contract import DEFAULT_SLO_CLASS, PRIORITY_MAX, PRIORITY_MIN
 from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import RotaryParams, make_policy
@@ -272,6 +272,8 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if priority is not None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority}")
         cls = self.slo_classes.get(slo_class)
         if cls is None:
             raise ValueError(f"unknown SLO class {slo_class!r}; known classes: {', '.join(sorted(self.slo_classes))}")

@@ -14,7 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from superinfer.engine.core.request import SEED_MAX, SEED_MIN, SamplingParams
+from superinfer.engine.contract import MAX_SLO_MS, PRIORITY_MAX, PRIORITY_MIN
+from superinfer.engine.core.request import (
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 from superinfer.engine.guided import GrammarError, GuidedSpec
 
 
@@ -39,6 +46,8 @@ class APIError(Exception):
 
 
 MAX_N = 128
+MAX_STOPS = 128  # distinct stop strings, and stop token ids, a request may give
+MAX_TYPO_CHECKS = 32  # unknown fields compared with the known ones for a likely typo
 LOGIT_BIAS_LIMIT = 100.0
 
 
@@ -61,7 +70,7 @@ class _Body(BaseModel):
     def check_unknown(self) -> list[str]:
         """Refuse likely typos by name; return the fields to ignore."""
         unknown = self.unknown_fields()
-        for name in unknown:
+        for name in unknown[:MAX_TYPO_CHECKS]:
             close = difflib.get_close_matches(name, list(type(self).model_fields), n=1, cutoff=0.8)
             if close:
                 raise APIError(400, f"unrecognized request argument {name!r}: did you mean {close[0]!r}?", param=name)
@@ -70,8 +79,8 @@ class _Body(BaseModel):
 
 class SLOField(BaseModel):
     model_config = ConfigDict(extra="forbid")  # our own field: strict
-    ttft_ms: float | None = Field(None, gt=0)
-    tbt_ms: float | None = Field(None, gt=0)
+    ttft_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
+    tbt_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
 
 
 class ResponseFormat(BaseModel):
@@ -101,7 +110,7 @@ class _Common(_Body):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
@@ -115,7 +124,7 @@ class _Common(_Body):
     user: str | None = None
     slo_class: str | None = None
     slo: SLOField | None = None
-    priority: int | None = None  # None: the SLO class's priority
+    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # None: the SLO class's priority
 
     def check_supported(self) -> None:
         """Combinations the API refuses (beyond each field's own range)."""
@@ -123,9 +132,11 @@ class _Common(_Body):
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(dict.fromkeys(self.stop))
         if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
+        if len(stops) > MAX_STOPS:  # each is searched for after every token
+            raise APIError(400, f"at most {MAX_STOPS} stop strings, got {len(stops)}", param="stop")
         return stops
 
     def logit_biases(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -140,10 +151,13 @@ class _Common(_Body):
         return tuple(pairs)
 
     def stop_token_id_tuple(self, vocab_size: int) -> tuple[int, ...]:
-        ids = tuple(self.stop_token_ids or ())
-        if any(not 0 <= t < vocab_size for t in ids):
+        ids = tuple(dict.fromkeys(self.stop_token_ids or ()))
+        if len(ids) > MAX_STOPS:  # banned one by one in every step until min_tokens
+            raise APIError(400, f"at most {MAX_STOPS} stop_token_ids, got {len(ids)}", param="stop_token_ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
             raise APIError(
-                400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {list(ids)}", param="stop_token_ids"
+                400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:10]}", param="stop_token_ids"
             )
         return ids
 

@@ -233,7 +233,8 @@ class OpenAIServer:
         body = validate(model, raw)
         ignored = body.check_unknown()
         if ignored:
-            log.warning("request %s: ignoring unknown fields %s", request_id(request), ", ".join(ignored))
+            shown = ", ".join(ignored[:20]) + (f" and {len(ignored) - 20} more" if len(ignored) > 20 else "")
+            log.warning("request %s: ignoring unknown fields %s", request_id(request), shown)
         name = getattr(body, "model", None)
         if name is not None and name != self.model_name:
             raise APIError(
@@ -270,8 +271,8 @@ class OpenAIServer:
                     value = float(request.headers[header])
                 except ValueError:
                     value = -1.0
-                if not value > 0:
-                    raise APIError(400, f"header {header} must be a positive number of milliseconds")
+                if not 0 < value <= c.MAX_SLO_MS:
+                    raise APIError(400, f"header {header} must be a number of milliseconds in (0, {c.MAX_SLO_MS:g}]")
                 targets[kind] = value
         if body.slo is not None:
             targets["ttft"] = body.slo.ttft_ms or targets["ttft"]

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from superinfer.engine.contract import DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from superinfer.engine.contract import DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS, MAX_SLO_MS
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,10 @@ class SLO:
     tbt_ms: float = DEFAULT_TBT_SLO_MS
 
     def __post_init__(self) -> None:
-        if not (self.ttft_ms > 0 and self.tbt_ms > 0):
-            raise ValueError(f"SLO targets must be positive, got ttft_ms={self.ttft_ms} tbt_ms={self.tbt_ms}")
+        if not (0 < self.ttft_ms <= MAX_SLO_MS and 0 < self.tbt_ms <= MAX_SLO_MS):
+            raise ValueError(
+                f"SLO targets must be in (0, {MAX_SLO_MS:g}] ms, got ttft_ms={self.ttft_ms} tbt_ms={self.tbt_ms}"
+            )
 
 
 def meets_ttft(ttft_s: float | None, slo: SLO) -> bool:

@@ -14,15 +14,22 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from superinfer.engine.contract import BUILTIN_SLO_CLASSES, DEFAULT_SLO_CLASS, SLO_CLASS_NAME_PATTERN
+from superinfer.engine.contract import (
+    BUILTIN_SLO_CLASSES,
+    DEFAULT_SLO_CLASS,
+    MAX_SLO_MS,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    SLO_CLASS_NAME_PATTERN,
+)
 from superinfer.engine.slo import SLO
 
 
 class SLOClass(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    ttft_ms: float = Field(gt=0)
-    tbt_ms: float = Field(gt=0)
-    priority: int = 0  # higher = more important
+    ttft_ms: float = Field(gt=0, le=MAX_SLO_MS)
+    tbt_ms: float = Field(gt=0, le=MAX_SLO_MS)
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # higher = more important
 
     @property
     def slo(self) -> SLO:

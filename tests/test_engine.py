@@ -3,6 +3,7 @@ chunked prefill, preemption and prefix caching."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
+from superinfer.engine.slo import SLO
 from tests.hf_fixtures import hf_greedy, hf_model, make_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -207,9 +209,10 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached(tiny):
     assert first not in out[:3]
 
 
-def test_token_ids_past_the_vocabulary_are_refused_before_the_step(tiny):
-    """The sampler indexes the logits with a request's banned and biased tokens: one past the
-    vocabulary is the request's error at validation, not the engine's in a step."""
+def test_what_would_fail_a_step_is_refused_with_the_request(tiny):
+    """The sampler indexes the logits with a request's banned and biased tokens, the batch keeps
+    priorities in int64 columns, the TBT guard divides by the SLO: a token past the vocabulary, a
+    priority past 32 bits, an infinite SLO are the request's errors, not the engine's in a step."""
     vocab = tiny.model_config.vocab_size
     for bad in (
         SamplingParams(min_tokens=1, stop_token_ids=(vocab,)),
@@ -219,6 +222,10 @@ def test_token_ids_past_the_vocabulary_are_refused_before_the_step(tiny):
         with pytest.raises(ValueError, match="must be token ids in"):
             tiny.validate(3, bad)
     tiny.validate(3, SamplingParams(min_tokens=1, stop_token_ids=(vocab - 1,), logit_bias=((0, 1.0),)))
+    with pytest.raises(ValueError, match="priority must be in"):
+        tiny.add_request("p", [5, 6], SamplingParams(), priority=2**63)
+    with pytest.raises(ValueError, match="SLO targets must be in"):
+        SLO(tbt_ms=math.inf)
 
 
 def test_stop_string_on_the_last_allowed_token_reports_stop(tiny):

@@ -132,6 +132,12 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": "\\ud800"}}'.encode(), 400, None),
     (c.COMPLETIONS_PATH, f'{{"model": "{MODEL}", "prompt": "x", "logit_bias": {{"5": NaN}}}}'.encode(), 400, None),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    # Each of these had stopped the engine, or stalled every request, from inside a step:
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "priority": 2**63}, 400, "priority"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "slo": {"tbt_ms": 1e308}}, 400, "slo.tbt_ms"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "stop": [f"~{i}~" for i in range(200)]}, 400, "stop"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "stop_token_ids": list(range(200))}, 400, "stop_token_ids"),
     (
         c.COMPLETIONS_PATH,
         {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [10**9]},
@@ -198,6 +204,9 @@ async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server,
                     assert payload["error"]["message"]
                     if param is not None:
                         assert payload["error"]["param"] == param, (body, payload)
+        data = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+        async with http.post(server.url + c.COMPLETIONS_PATH, data=data, headers={c.SLO_TBT_HEADER: "inf"}) as resp:
+            assert resp.status == 400 and c.SLO_TBT_HEADER in (await resp.json())["error"]["message"]
         not_gzip = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
         data = json.dumps({"model": MODEL, "prompt": "x"}).encode()
         async with (

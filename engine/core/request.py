@@ -28,6 +28,8 @@ _FINISHED = RequestStatus.FINISHED
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit seed, as torch's generators take
 GREEDY_TEMPERATURE = 1e-5  # and below: greedy (vLLM's threshold too)
+# Past these a penalized float32 logit overflows (or a tiny penalty rounds to 0: -inf * 0 is NaN).
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -78,8 +80,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            raise ValueError(
+                f"repetition_penalty must be in [{REPETITION_PENALTY_MIN}, {REPETITION_PENALTY_MAX}], "
+                f"got {self.repetition_penalty}"
+            )
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.guided is not None and self.min_tokens:

@@ -84,7 +84,7 @@ class StepTimeModel:
         spare = seconds - base - per_context * context / 1000.0
         if per_token <= 0:
             return 1 << 30 if spare > 0 else 0
-        return max(0, int(spare / per_token))
+        return max(0, int(min(spare / per_token, 1 << 30)))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
