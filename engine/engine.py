@@ -373,6 +373,9 @@ class EngineCore:
             request_id, finished = req.request_id, req.is_finished
             live = self._live[request_id]
             stream, text = live.stream, ""
+            if request_id in result.grammar_errors and not finished:  # its text can no longer follow it
+                self.scheduler.finish(request_id, FinishReason.ABORT)
+                finished = True
             if stream.detokenizer is not None:  # (else text and stop strings are the server's)
                 stream.feed(token, last=finished)
                 if stream.stopped:  # a stop string matched (also on the very last token)

@@ -77,6 +77,7 @@ class StepOutput:
     # Prompt tokens' logprobs computed by this step's prefill chunks: position -> logprob.
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     copies: CopyStats = field(default_factory=CopyStats)
+    grammar_errors: dict[str, str] = field(default_factory=dict)  # request id -> why its grammar stopped
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class SubmittedStep:
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     prompt_logprobs: SampledLogprobs | None = None  # host, the rows of prompt_rows in order
     prompt_ranks: torch.Tensor | None = None  # host, the rank of each prompt token
+    grammar_errors: dict[str, str] = field(default_factory=dict)
     forward: str = ""  # how its forward ran: "decode_graph", "piecewise_graphs" or "op_by_op" ("": none)
 
 
@@ -350,7 +352,7 @@ class ModelRunner:
 
     def collect(self, step: SubmittedStep) -> StepOutput:
         """Wait for a submitted step and return its sampled tokens, logprobs and copy stats."""
-        out = StepOutput(copies=self.duplex.finish(step.copies))
+        out = StepOutput(copies=self.duplex.finish(step.copies), grammar_errors=step.grammar_errors)
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = _prompt_logprobs(step.prompt_rows, step.prompt_logprobs, step.prompt_ranks)
         if step.tokens is None:
@@ -419,7 +421,8 @@ class ModelRunner:
         if rows is not None:
             self.histories.record(rows, tokens)
         if masks is not None:
-            self._advance_matchers([sampling.request_ids[i] for i in masks[0]], tokens[grammar.rows].tolist())
+            guided_ids = [sampling.request_ids[i] for i in masks[0]]
+            step.grammar_errors = self._advance_matchers(guided_ids, tokens[grammar.rows].tolist())
         step.device_tokens = tokens
         step.tokens = self._to_host(tokens)
         if logprobs is not None:
@@ -458,15 +461,19 @@ class ModelRunner:
             return disallowed_tokens(bitmask, self.model.config.vocab_size)
         return bitmask
 
-    def _advance_matchers(self, request_ids: list[str], tokens: list[int]) -> None:
+    def _advance_matchers(self, request_ids: list[str], tokens: list[int]) -> dict[str, str]:
         """Move each grammar on by its sampled token (a host sync, in steps with such rows only:
-        the next step's masks depend on it)."""
+        the next step's masks depend on it). Returns why a grammar could go no further, by
+        request: one of llguidance's limits (a huge repetition count or list of choices)."""
+        errors = {}
         for request_id, token in zip(request_ids, tokens, strict=True):
             matcher = self.matchers[request_id]
             if matcher.is_terminated():  # past the grammar's end (ignore_eos): EOS is all it allows
                 continue
             if not matcher.accept(token):
-                log.warning("request %s: token %d broke its grammar: %s", request_id, token, matcher.error)
+                errors[request_id] = f"token {token} could not advance its grammar: {matcher.error}"
+                log.warning("request %s: %s", request_id, errors[request_id])
+        return errors
 
     def _score_prompts(self, hidden: torch.Tensor, x: _StepInputs, step: SubmittedStep) -> None:
         """Logprobs of the prompt tokens this step's chunks predict (echo, prompt_logprobs)."""
