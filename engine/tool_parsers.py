@@ -525,6 +525,8 @@ class ToolParser(ABC):
             return None
         repeat = schema.get("type") == "array" and parallel
         call = schema["items"] if schema.get("type") == "array" else schema
+        if "$defs" in schema:  # the calls' parameters refer to them from the grammar's root
+            call = {**call, "$defs": schema["$defs"]}
         return self._grammar({"x-guidance": JSON_LAYOUT, **call}, repeat)
 
 
@@ -604,13 +606,40 @@ def _functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str,
     return out
 
 
-def _call_schema(name: str, parameters: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+def _call_schema(name: str, parameters: dict[str, Any], arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A call of `name`. Parameters that refer to their own parts ("$ref": "#/$defs/...") go into
+    `defs` (the $defs of the document's root), their local references rebased there: as a
+    property they would resolve against the root."""
+    if _has_local_ref(parameters):
+        key = f"parameters{len(defs)}"
+        defs[key] = _rebase_refs(parameters, f"#/$defs/{key}")
+        parameters = {"$ref": f"#/$defs/{key}"}
     return {
         "type": "object",
         "properties": {NAME_KEY: {"type": "string", "enum": [name]}, arguments_key: parameters},
         "required": [NAME_KEY, arguments_key],
         "additionalProperties": False,
     }
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, Mapping):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """`node` with each local "$ref": "#<pointer>" turned into "<base><pointer>"."""
+    if isinstance(node, Mapping):
+        out = {k: _rebase_refs(v, base) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
 
 
 def tool_call_schema(
@@ -627,16 +656,22 @@ def tool_call_schema(
     if tool_choice in (None, "none", "auto"):
         return None
     functions = _functions(tools)
+    defs: dict[str, Any] = {}
     if tool_choice == "required":
-        calls = [_call_schema(n, p, arguments_key) for n, p in functions.items()]
+        calls = [_call_schema(n, p, arguments_key, defs) for n, p in functions.items()]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
-        return schema
-    fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
-    name = fn.get("name") if isinstance(fn, Mapping) else None
-    if not isinstance(name, str):
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}")
-    if name not in functions:
-        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools ({', '.join(functions)})")
-    return _call_schema(name, functions[name], arguments_key)
+    else:
+        fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if not isinstance(name, str):
+            raise ValueError(
+                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}"
+            )
+        if name not in functions:
+            raise ValueError(
+                f"tool_choice names function {name!r}, which is not among the tools ({', '.join(functions)})"
+            )
+        schema = _call_schema(name, functions[name], arguments_key, defs)
+    return schema | {"$defs": defs} if defs else schema

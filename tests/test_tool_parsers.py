@@ -318,6 +318,33 @@ def test_constrained_output_parses_with_the_same_parser(
             jsonschema.validate(json.loads(call.arguments_json), params)
 
 
+DEFS_TOOLS = [
+    {"type": "function", "function": {"name": "plot", "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/Point"}}, "required": ["at"],
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }}},
+    {"type": "function", "function": {"name": "tree", "parameters": {  # recursive, through the root
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    }}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", [HERMES, LLAMA3], ids=["hermes", "llama3_json"])
+def test_parameters_that_refer_to_their_own_definitions_compile_and_validate(
+    compiler: GrammarCompiler, parser: ToolParser
+) -> None:
+    """(A tool whose parameters used $defs was a 400: "Pointer '/$defs/Point' does not exist".)"""
+    schema = tool_call_schema(DEFS_TOOLS, "required", arguments_key=parser.arguments_key)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    key = parser.arguments_key
+    jsonschema.validate([{"name": "plot", key: {"at": {"x": 1}}}, {"name": "tree", key: {"kids": [{}]}}], schema)
+    for bad in ({"name": "plot", key: {"at": {"x": "one"}}}, {"name": "tree", key: {"kids": [{"kids": 3}]}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+    for choice in ("required", {"type": "function", "function": {"name": "plot"}}):
+        compiler.compile(GuidedSpec("grammar", parser.guided_grammar(DEFS_TOOLS, choice)))
+
+
 FRAGMENTS = [
     "<tool_call>", "</tool_call>", "<tool_", "<|python_tag|>", "{", "}", "[", "]", '"name"', '"arguments"',
     '"parameters"', '"f"', ":", ",", ";", " ", "\n", '"', "\\", "1", "x", "null", "é",
