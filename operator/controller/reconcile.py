@@ -69,7 +69,8 @@ async def apply_children(state: State, owner: Mapping[str, Any], spec: Inference
             reason = f"{child['kind']}{action.capitalize()}"
             await events.post(state.kube, owner, reason, f"{child['kind']} {action}", state.config.clock())
     for res, wanted, served in (
-        (PODMONITORS, spec.monitoring.pod_monitor, ctx.podmonitor_api),
+        # (--pod-monitors=never after a run that made some: those go too)
+        (PODMONITORS, spec.monitoring.pod_monitor and ctx.podmonitor_api, await state.served(PODMONITORS.api_version)),
         (INFERENCEPOOLS, spec.routing.inference_pool.enabled, ctx.inferencepool_api),
     ):
         if served and not wanted:  # turned off: remove what we made before

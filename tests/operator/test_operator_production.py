@@ -11,7 +11,7 @@ import kmock as km
 import pytest
 
 from superinfer.operator.api import names
-from superinfer.operator.controller.kube_client import PODS, SERVICES, ApiError
+from superinfer.operator.controller.kube_client import PODMONITORS, PODS, SERVICES, ApiError
 from superinfer.operator.controller.reconcile import ISVC
 from superinfer.operator.controller.timestamps import now_iso
 from tests.operator.conftest import ISVC_RES, eventually, isvc
@@ -195,3 +195,24 @@ async def test_autoscaling_turned_off_forgets_its_scaler(running):
     await running.api.patch(ISVC, "default", "auto", {"spec": {"autoscaling": {"enabled": False}}})
     await eventually(lambda: ("default", "auto") not in running.state.scalers)
     assert ("default", "auto") not in running.state.autoscaled
+
+
+async def test_pod_monitors_left_from_a_run_with_them_go_under_pod_monitors_never(running):
+    """The operator under test runs with --pod-monitors=never; a PodMonitor an earlier run made
+    for the service (owned by it, with its labels) is deleted rather than left to the garbage
+    collector."""
+    monitors = "monitoring.coreos.com/v1/podmonitors"
+    running.kmock.resources[monitors] = running.kmock.ResourceInfo(
+        kind="PodMonitor", singular="podmonitor", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    )  # fmt: skip
+    await running.create_isvc("tiny", TINY)
+    owner = await eventually(lambda: running.isvc("tiny"))
+    ref = {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "tiny", "uid": owner["metadata"]["uid"],
+           "controller": True}  # fmt: skip
+    old = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+           "metadata": {"name": "tiny", "namespace": "default", "labels": names.child_labels("tiny"),
+                        "ownerReferences": [ref]}, "spec": {}}  # fmt: skip
+    await running.api.create(PODMONITORS, "default", old)
+    await eventually(lambda: running.obj(monitors, "tiny") is not None)
+    await eventually(lambda: running.obj(monitors, "tiny") is None)
