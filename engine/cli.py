@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--policies", default="fcfs,rotary", help="comma-separated policies to compare")
     demo.add_argument("--plot", type=Path, default=Path("superinfer-demo.png"), help="where to save the plot")
     demo.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="do not plot")
+    for command in (parser, *sub.choices.values()):  # a prefix of a flag added later would change meaning
+        command.allow_abbrev = False
     return parser
 
 

@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from superinfer.engine.contract import DEFAULT_PORT, DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from superinfer.engine.contract import DEFAULT_PORT, DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS, MAX_SLO_MS
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass, class_table, parse_classes
 
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # Model
     model: str = Field(
@@ -31,9 +31,9 @@ class EngineConfig(BaseModel):
         False,
         description="never contact the Hugging Face Hub: models come from the cache only (also HF_HUB_OFFLINE=1)",
     )
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(None, min_length=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N")
     dummy_weights: bool = Field(False, description="random weights of the model's architecture")
     seed: int = 0
     torch_threads: int | None = Field(
@@ -118,8 +118,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=2)
-    ttft_slo_ms: float = Field(DEFAULT_TTFT_SLO_MS, gt=0)
-    tbt_slo_ms: float = Field(DEFAULT_TBT_SLO_MS, gt=0)
+    ttft_slo_ms: float = Field(DEFAULT_TTFT_SLO_MS, gt=0, le=MAX_SLO_MS)
+    tbt_slo_ms: float = Field(DEFAULT_TBT_SLO_MS, gt=0, le=MAX_SLO_MS)
     slo_classes: str | None = Field(
         None,
         description='named SLO classes as JSON, e.g. \'{"interactive": {"ttft_ms": 500, "tbt_ms": 100, '
@@ -145,9 +145,9 @@ class EngineConfig(BaseModel):
     )
 
     # Server
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
-    api_key: str | None = None
+    api_key: str | None = Field(None, min_length=1, description="(an empty key would turn authentication off)")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,
         description="how tool calls are read from this model's output (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: "

@@ -39,6 +39,7 @@ from superinfer.engine.worker.host_memory import (
     MAX_HOST_FRACTION,
     available_host_bytes,
     default_tier_bytes,
+    require_host_bytes,
 )
 from superinfer.engine.worker.parallel import Workers
 from superinfer.engine.worker.rank import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
@@ -69,10 +70,16 @@ def num_cpu_tier_blocks(
     allows (see default_tier_bytes). With the model on the CPU the "GPU pool" is host memory too:
     the tier defaults to 4 GiB (the pool's size if larger), at most a quarter of the available
     memory over all ranks; its pages are only committed as blocks are written."""
-    if config.num_cpu_blocks is not None:
-        return config.num_cpu_blocks
-    if config.cpu_kv_gib is not None:
-        return int(config.cpu_kv_gib * (1 << 30)) // block_bytes
+    if config.num_cpu_blocks is not None or config.cpu_kv_gib is not None:
+        if config.num_cpu_blocks is not None:
+            blocks, flag = config.num_cpu_blocks, "--num-cpu-blocks"
+        else:
+            blocks, flag = int(config.cpu_kv_gib * (1 << 30)) // block_bytes, "--cpu-kv-gib"
+        what = f"{flag} (the CPU KV tier of {ranks} ranks)" if ranks > 1 else f"{flag} (the CPU KV tier)"
+        require_host_bytes(what, blocks * block_bytes * ranks)
+        if blocks and config.policy == "fcfs":
+            log.warning("%s: the CPU KV tier is unused with --policy fcfs (it never rotates)", flag)
+        return blocks
     if config.policy == "fcfs":
         return 0  # fcfs never rotates
     available, pool = available_host_bytes(), num_gpu_blocks * block_bytes

@@ -380,7 +380,10 @@ def _engine_main(config: EngineConfig, pipe: Connection, log_level: int) -> None
     try:
         core = EngineCore(config, detokenize=False)
     except BaseException as exc:
-        log.exception("the engine failed to start")
+        if isinstance(exc, (ValueError, FileNotFoundError)):  # the configuration's: the CLI says it in a line
+            log.debug("the engine failed to start", exc_info=True)
+        else:
+            log.exception("the engine failed to start")
         with contextlib.suppress(OSError):
             pipe.send(("error", picklable(exc)))
         raise SystemExit(1) from None

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -599,8 +600,25 @@ class RunningServer:
         await self.server.engine.stop(timeout_s)
 
 
+def check_listen(host: str, port: int) -> None:
+    """A ValueError naming --host or --port when the server could not listen there: checked before
+    the model loads, rather than failing (with an engine left running) once it has."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r}: {exc.strerror}") from None
+    for family, kind, proto, _, address in addresses if port else ():
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise ValueError(f"--port {port} on {address[0]}: {exc.strerror}") from None
+
+
 async def start_server(config: EngineConfig, core: EngineCore | None = None) -> RunningServer:
     """With `config.engine_process` (and no `core` given) the engine core runs in a child process."""
+    check_listen(config.host, config.port)
     engine: AsyncEngine | ProcessEngine
     if core is None and config.engine_process:
         engine = ProcessEngine(config)
@@ -611,7 +629,12 @@ async def start_server(config: EngineConfig, core: EngineCore | None = None) -> 
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # taken since the check: stop the engine, or its process keeps this one alive
+        await runner.cleanup()
+        await engine.stop(DEAD_ENGINE_GRACE_S)
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     port = site._server.sockets[0].getsockname()[1]  # the bound port, also when config.port is 0
     return RunningServer(server, runner, port)
 

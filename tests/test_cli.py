@@ -35,7 +35,27 @@ def test_every_contract_flag_exists():
         (["serve", "--block-size", "0"], "block_size"),
         (["serve", "--model", "/no/such/folder"], "/no/such/folder"),
         (["serve", "--policy", "nope"], "invalid choice"),
+        (["serve", "--num-gpu-block", "5"], "unrecognized arguments"),  # no abbreviations
         (["serve", "--model", "tiny", "--device", "cpu", "--max-model-len", "100000"], "max_position_embeddings"),
+        (["serve", "--device", "tpu"], "device"),
+        (["serve", "--api-key", ""], "api_key"),  # (an empty key had turned authentication off)
+        (["serve", "--tbt-slo-ms", "inf"], "tbt_slo_ms"),
+        (["serve", "--rotary-alpha", "nan"], "rotary_alpha"),
+        (
+            [
+                "serve",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--no-engine-process",
+                "--policy",
+                "rotary",
+                "--cpu-kv-gib",
+                "1e6",
+            ],
+            "--cpu-kv-gib (the CPU KV tier): 1000000.00 GiB exceeds the host's available memory",
+        ),
     ],
 )
 def test_bad_configuration_exits_2_with_a_message(argv, message, capsys):
@@ -43,6 +63,16 @@ def test_bad_configuration_exits_2_with_a_message(argv, message, capsys):
         sys.exit(main(argv))
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_port_in_use_fails_before_the_model_loads(capsys):
+    """(The server had loaded the model, failed to bind, and hung on its engine process.)"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
+    assert f"--port {port} on 127.0.0.1" in capsys.readouterr().err
 
 
 def free_port() -> int:

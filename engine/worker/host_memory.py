@@ -142,6 +142,16 @@ def available_host_bytes(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/f
     return available
 
 
+def require_host_bytes(what: str, size: int) -> None:
+    """A ValueError naming `what` when `size` bytes cannot fit in the host's available memory (an
+    allocation that could never be served, rather than an out-of-memory error or kill later)."""
+    available = available_host_bytes()
+    if size > available:
+        raise ValueError(
+            f"{what}: {size / 2**30:.2f} GiB exceeds the host's available memory ({available / 2**30:.2f} GiB)"
+        )
+
+
 def _meminfo_available(path: Path) -> int:
     try:
         for line in path.read_text().splitlines():

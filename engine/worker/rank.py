@@ -21,6 +21,7 @@ from superinfer.engine.model.sharding import TensorParallel
 from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.worker.attention import allocate_kv_cache
 from superinfer.engine.worker.heap import retain_freed_heap
+from superinfer.engine.worker.host_memory import require_host_bytes
 from superinfer.engine.worker.runner import ModelRunner, torch_threads
 from superinfer.engine.worker.streams import Streams
 
@@ -85,7 +86,9 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, block_bytes: int, d
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
     if device.type != "cuda":
-        return max(1, int(config.kv_cache_gib_cpu_device * (1 << 30)) // block_bytes)
+        blocks = max(1, int(config.kv_cache_gib_cpu_device * (1 << 30)) // block_bytes)
+        require_host_bytes("--kv-cache-gib-cpu-device (the KV cache, on the CPU)", blocks * block_bytes)
+        return blocks
     free, total = torch.cuda.mem_get_info(device)
     mc, dtype_bytes = loaded.config, 4
     # Peak activations of the largest step plus the sampler's float32 logits work space.
