@@ -48,11 +48,11 @@ log = logging.getLogger("superinfer.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def common_prefix(paths: list[tuple]) -> tuple:
-    """The shared start of error locations (a failed union reports one location per member)."""
-    first = paths[0]
-    n = next((i for i in range(len(first)) if any(len(p) <= i or p[i] != first[i] for p in paths)), len(first))
-    return first[:n]
+def _field_path(loc: tuple) -> str:
+    """An error location as the request names it: without the union members pydantic puts in it
+    ('str', 'list[int]', 'TextPart'), which no field of the API is named like."""
+    tag = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|dict|list|[A-Z]\w*)$")
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and tag.match(p)))
 
 
 def _reject_constant(name: str) -> Any:
@@ -80,7 +80,7 @@ def parse_json(body: bytes) -> Any:
 
 def validate(model: type[BaseModel], raw: dict[str, Any]) -> Any:
     """Parse a body; a 400 names every bad field (a failed union reports one error per member:
-    they are grouped by field)."""
+    they are grouped by field, and the member that got furthest into the value speaks)."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -89,11 +89,12 @@ def validate(model: type[BaseModel], raw: dict[str, Any]) -> Any:
             by_field.setdefault(e["loc"][:1], []).append(e)
         problems = []
         for errors in by_field.values():
-            loc = ".".join(str(p) for p in common_prefix([e["loc"] for e in errors])) or "body"
-            if errors[0]["type"] == "extra_forbidden":
+            error = max(errors, key=lambda e: len(e["loc"]))  # (the first of the deepest)
+            loc = _field_path(error["loc"]) or "body"
+            if error["type"] == "extra_forbidden":
                 problems.append((loc, f"unrecognized request argument {loc!r}"))
             else:
-                problems.append((loc, f"invalid value for {loc!r}: {errors[0]['msg']}"))
+                problems.append((loc, f"invalid value for {loc!r}: {error['msg']}"))
         raise APIError(400, "; ".join(msg for _, msg in problems), param=problems[0][0]) from exc
 
 

@@ -122,6 +122,9 @@ BAD_REQUESTS = [
     (c.COMPLETIONS_PATH, b"{not json", 400, None),
     (c.COMPLETIONS_PATH, b"[1, 2]", 400, None),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    # A union names the member that got furthest into the value (not "should be a valid string"):
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "stop": [1, 2]}, 400, "stop.0"),
+    (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": [[1, "a"]]}, 400, "prompt.0.1"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     (c.COMPLETIONS_PATH, {"model": "gpt-nope", "prompt": "x"}, 404, "model"),
     (c.COMPLETIONS_PATH, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
