@@ -368,10 +368,7 @@ class EngineCore:
         """Apply an executed step: new tokens, stop strings, finished requests, metrics."""
         t2 = time.perf_counter()
         touched = self.scheduler.update(plan, result.sampled)
-        for request_id in result.grammar_errors:  # its text can no longer follow its grammar
-            req = self.scheduler.requests.get(request_id)
-            if req is not None and not req.is_finished:
-                self.scheduler.finish(request_id, FinishReason.ABORT)
+        grammar_errors = result.grammar_errors  # their text can no longer follow their grammar
         now = self.clock()
         for request_id, by_position in result.prompt_logprobs.items():
             if request_id in self._live:  # a recomputed prompt keeps the logprobs of its first pass
@@ -384,6 +381,10 @@ class EngineCore:
             request_id, finished = req.request_id, req.is_finished
             live = self._live[request_id]
             stream, text = live.stream, ""
+            if grammar_errors and request_id in grammar_errors:
+                if not finished:
+                    self.scheduler.finish(request_id, FinishReason.ABORT)
+                req.finish_reason, finished = FinishReason.ABORT, True  # (also over an EOS the error forced)
             if stream.detokenizer is not None:  # (else text and stop strings are the server's)
                 stream.feed(token, last=finished)
                 if stream.stopped:  # a stop string matched (also on the very last token)

@@ -102,7 +102,18 @@ class GrammarCompiler:
         initial = llguidance.LLMatcher(self._tokenizer, _grammar_text(spec), log_level=0)
         if initial.is_error():
             raise GrammarError(f"invalid {spec.kind}: {initial.get_error()}")
+        # The first mask, on a copy: a grammar no text can satisfy (a schema that only refers to
+        # itself) stops there, and would answer nothing with finish_reason "stop".
+        probe, mask = initial.deep_copy(), torch.zeros(self.mask_words, dtype=torch.int32)  # (held while written)
+        probe.unsafe_compute_mask_ptr(mask.data_ptr(), self.mask_words * 4)
+        if probe.is_error():
+            raise GrammarError(f"invalid {spec.kind}: no output can satisfy it ({_reason(probe.get_error())})")
         return CompiledGrammar(spec, initial, self.mask_words)
+
+
+def _reason(error: str) -> str:
+    """llguidance's reason for stopping a matcher, without the parser state it dumps after it."""
+    return error.partition("\n")[0]
 
 
 class GrammarMatcher:
@@ -126,7 +137,7 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        return _reason(self._m.get_error()) if self._m.is_error() else None
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding)."""

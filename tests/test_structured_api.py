@@ -92,6 +92,11 @@ async def test_a_schema_the_engine_cannot_follow_is_a_400(server):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}}
     status, err = await post(server, "/v1/chat/completions", {**CHAT, "response_format": bad})
     assert status == 400 and err["error"]["param"] == "response_format" and "json_schema" in err["error"]["message"]
+    # Compiles, but no text satisfies it: it had answered "" with finish_reason "stop".
+    only_itself = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": only_itself}}
+    status, err = await post(server, "/v1/chat/completions", {**CHAT, "response_format": bad})
+    assert status == 400 and "no output can satisfy it" in err["error"]["message"]
     status, err = await post(server, "/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}})
     assert status == 400 and "response_format.type" in err["error"]["message"]
     both = {**CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}}

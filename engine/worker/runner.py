@@ -464,14 +464,15 @@ class ModelRunner:
     def _advance_matchers(self, request_ids: list[str], tokens: list[int]) -> dict[str, str]:
         """Move each grammar on by its sampled token (a host sync, in steps with such rows only:
         the next step's masks depend on it). Returns why a grammar could go no further, by
-        request: one of llguidance's limits (a huge repetition count or list of choices)."""
+        request: one of llguidance's limits (a huge repetition count or list of choices), met
+        while filling its mask (which then allows only EOS) or taking the token."""
         errors = {}
         for request_id, token in zip(request_ids, tokens, strict=True):
             matcher = self.matchers[request_id]
-            if matcher.is_terminated():  # past the grammar's end (ignore_eos): EOS is all it allows
-                continue
-            if not matcher.accept(token):
-                errors[request_id] = f"token {token} could not advance its grammar: {matcher.error}"
+            if not matcher.is_terminated():  # (past the grammar's end, with ignore_eos, EOS is all it allows)
+                matcher.accept(token)
+            if matcher.error is not None:
+                errors[request_id] = f"its grammar stopped at token {token}: {matcher.error}"
                 log.warning("request %s: %s", request_id, errors[request_id])
         return errors
 
