@@ -48,11 +48,14 @@ log = logging.getLogger("superinfer.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# The union members pydantic puts in error locations ('str', 'list[int]', 'TextPart'): no field
+# of the API is named like one.
+_UNION_MEMBER = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|dict|list|[A-Z]\w*)$")
+
+
 def _field_path(loc: tuple) -> str:
-    """An error location as the request names it: without the union members pydantic puts in it
-    ('str', 'list[int]', 'TextPart'), which no field of the API is named like."""
-    tag = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|dict|list|[A-Z]\w*)$")
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and tag.match(p)))
+    """An error location as the request names it, without union members."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and _UNION_MEMBER.match(p)))
 
 
 def _reject_constant(name: str) -> Any:

@@ -18,8 +18,9 @@ from superinfer.operator.api import quantity
 from superinfer.operator.api.inference_service import InferenceServiceSpec
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
-LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
+LABEL_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")  # [DNS-subdomain prefix/]name
 EPP_SUFFIX = "-epp"  # the endpoint picker's default Service name: <name>-epp
 # Flags the operator renders itself; setting them in engine.args would fight the spec.
 RENDERED_FLAGS = (
