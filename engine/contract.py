@@ -36,6 +36,10 @@ BUILTIN_SLO_CLASSES = {
 # Server-wide SLO defaults (the paper's: 5 s time to first token, 100 ms between tokens).
 DEFAULT_TTFT_SLO_MS = 5000.0
 DEFAULT_TBT_SLO_MS = 100.0
+# A started stream's stall budget: the longest gap between two of its tokens that still meets its
+# TBT SLO (with its p99 gap within the TBT target), unless its SLO or class sets one: this many
+# times its TBT target. A stream that stops for longer is what a user sees as a hung server.
+DEFAULT_STALL_FACTOR = 5.0
 MAX_SLO_MS = 1e12  # ~30 years, "no SLO" in practice: targets must be finite (the TBT guard divides by them)
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # a request's priority: 32 bits (the ranking's columns)
 
