@@ -5,9 +5,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from superinfer.engine.contract import DEFAULT_PORT, DEFAULT_TBT_SLO_MS, DEFAULT_TTFT_SLO_MS, MAX_SLO_MS
+from superinfer.engine.contract import (
+    DEFAULT_PORT,
+    DEFAULT_STALL_FACTOR,
+    DEFAULT_TBT_SLO_MS,
+    DEFAULT_TTFT_SLO_MS,
+    MAX_SLO_MS,
+)
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass, class_table, parse_classes
 
@@ -120,6 +126,13 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     ttft_slo_ms: float = Field(DEFAULT_TTFT_SLO_MS, gt=0, le=MAX_SLO_MS)
     tbt_slo_ms: float = Field(DEFAULT_TBT_SLO_MS, gt=0, le=MAX_SLO_MS)
+    stall_slo_ms: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_SLO_MS,
+        description="the default class's stall budget: the longest gap between two tokens a stream may have "
+        f"and still meet its TBT SLO (at least --tbt-slo-ms; unset: {DEFAULT_STALL_FACTOR:g}x --tbt-slo-ms)",
+    )
     slo_classes: str | None = Field(
         None,
         description='named SLO classes as JSON, e.g. \'{"interactive": {"ttft_ms": 500, "tbt_ms": 100, '
@@ -161,15 +174,29 @@ class EngineConfig(BaseModel):
     @classmethod
     def _classes_as_json(cls, value: Any) -> Any:
         if isinstance(value, dict):
-            return json.dumps(value)
+            value = json.dumps(value)
         if isinstance(value, str):
             parse_classes(value)  # a clear error at startup, naming the bad class and field
         return value
 
+    @model_validator(mode="after")
+    def _stall_at_least_tbt(self) -> EngineConfig:
+        if self.stall_slo_ms is not None and self.stall_slo_ms < self.tbt_slo_ms:
+            raise ValueError(
+                f"stall_slo_ms ({self.stall_slo_ms:g}) must be at least tbt_slo_ms ({self.tbt_slo_ms:g}): "
+                "a stall is a gap longer than the TBT target"
+            )
+        return self
+
+    @property
+    def default_slo(self) -> SLO:
+        """The SLO of requests in the `default` class."""
+        return SLO(self.ttft_slo_ms, self.tbt_slo_ms, self.stall_slo_ms)
+
     def slo_class_table(self) -> dict[str, SLOClass]:
         """Every SLO class of the server, `default` included."""
         named = parse_classes(self.slo_classes) if self.slo_classes is not None else None
-        return class_table(named, SLO(self.ttft_slo_ms, self.tbt_slo_ms))
+        return class_table(named, self.default_slo)
 
     @property
     def model_name(self) -> str:

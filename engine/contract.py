@@ -16,9 +16,10 @@ HEALTH_PATH = "/health"  # the process is alive
 READY_PATH = "/ready"  # the model is loaded and the server is not draining
 METRICS_PATH = "/metrics"
 
-# Per-request SLOs: a body field {"slo": {"ttft_ms": .., "tbt_ms": ..}} or these headers.
+# Per-request SLOs: a body field {"slo": {"ttft_ms": .., "tbt_ms": .., "stall_ms": ..}} or these headers.
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TBT_HEADER = "x-slo-tbt-ms"
+SLO_STALL_HEADER = "x-slo-stall-ms"  # the stall budget (see DEFAULT_STALL_FACTOR)
 
 # Named SLO classes: a request picks one with {"slo_class": "interactive"} or this header; its
 # targets and priority are the class's unless the request overrides them. Requests that pick none
@@ -88,6 +89,7 @@ SERVE_FLAGS = (
     "--max-model-len",
     "--ttft-slo-ms",
     "--tbt-slo-ms",
+    "--stall-slo-ms",
     "--slo-classes",
     "--rotary-alpha",
     "--rotary-beta-f",
@@ -136,6 +138,8 @@ COUNTERS = {
     "generation_tokens": (),
     "requests_finished": ("finished_reason",),
     "slo_requests": ("ttft", "tbt", SLO_CLASS_LABEL),
+    # Finished requests with two or more output tokens whose worst gap exceeded their stall budget.
+    "stalled_requests": (SLO_CLASS_LABEL,),
 }
 HISTOGRAMS = {
     "kv_swap_seconds": ("direction",),
@@ -150,12 +154,15 @@ HISTOGRAMS = {
     "kv_copy_hidden_ratio": (),
     "time_to_first_token_seconds": (SLO_CLASS_LABEL,),
     "time_between_tokens_seconds": (SLO_CLASS_LABEL,),
+    # Each finished request's longest gap between two of its tokens (two or more output tokens);
+    # every class's stall budget is a bucket bound.
+    "worst_gap_seconds": (SLO_CLASS_LABEL,),
     "request_queue_seconds": (),
     "e2e_request_latency_seconds": (),
     "scheduler_step_seconds": ("phase",),
 }
 INFOS = {"info": ()}
-SLO_TARGET_GAUGE = "slo_target_seconds"  # one series per SLO class and kind (ttft | tbt)
+SLO_TARGET_GAUGE = "slo_target_seconds"  # one series per SLO class and kind (ttft | tbt | stall)
 SLO_TARGET_LABELS = ("kind", SLO_CLASS_LABEL)
 
 # With --metrics-compat vllm the engine also exports these vLLM names.

@@ -210,7 +210,7 @@ class EngineCore:
                 config.transfer_budget_blocks,
                 self.kv.blocks_for(self.max_model_len),
             )
-        self.default_slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
+        self.default_slo = config.default_slo
         self.slo_classes = config.slo_class_table()
         self.metrics = EngineMetrics(
             config.model_name,

@@ -17,7 +17,15 @@ from superinfer.engine.core.kv import KVCacheManager
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
 from superinfer.engine.core.token_timing import TokenTiming
-from superinfer.engine.slo import SLO, histogram_buckets, meets_tbt, meets_ttft, p99_gap, slo_lag_seconds
+from superinfer.engine.slo import (
+    SLO,
+    histogram_buckets,
+    meets_stall,
+    meets_tbt,
+    meets_ttft,
+    p99_gap,
+    slo_lag_seconds,
+)
 
 if TYPE_CHECKING:
     from superinfer.engine.worker.duplex import CopyStats
@@ -131,13 +139,15 @@ class EngineMetrics:
         self.gauges = {name: gauge(name, *labels) for name, labels in c.GAUGES.items()}
         self.counters = {name: counter(name, *labels) for name, labels in c.COUNTERS.items()}
         classes = dict(classes) if classes is not None else {c.DEFAULT_SLO_CLASS: slo}
-        ttft_buckets, tbt_buckets = list(LATENCY_BUCKETS), list(LATENCY_BUCKETS)
+        ttft_buckets, tbt_buckets, gap_buckets = list(LATENCY_BUCKETS), list(LATENCY_BUCKETS), list(LATENCY_BUCKETS)
         for target in classes.values():  # every class's thresholds are bucket bounds
             ttft_buckets = histogram_buckets(target.ttft_ms / 1000.0, ttft_buckets)
             tbt_buckets = histogram_buckets(target.tbt_ms / 1000.0, tbt_buckets)
+            gap_buckets = histogram_buckets(target.stall_budget_ms / 1000.0, gap_buckets)
         self.ttft = histogram("time_to_first_token_seconds", ttft_buckets, *c.HISTOGRAMS["time_to_first_token_seconds"])
         tbt_name = "time_between_tokens_seconds"
         self.tbt = batched(tbt_name, tbt_buckets, *c.HISTOGRAMS[tbt_name])
+        self.worst_gap = histogram("worst_gap_seconds", gap_buckets, *c.HISTOGRAMS["worst_gap_seconds"])
         self.queue = histogram("request_queue_seconds", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", LATENCY_BUCKETS)
         self.step = batched("scheduler_step_seconds", STEP_BUCKETS, "phase")
@@ -150,10 +160,13 @@ class EngineMetrics:
         for name, target in classes.items():
             self.slo_target.labels(model_name, "ttft", name).set(target.ttft_ms / 1000.0)
             self.slo_target.labels(model_name, "tbt", name).set(target.tbt_ms / 1000.0)
+            self.slo_target.labels(model_name, "stall", name).set(target.stall_budget_ms / 1000.0)
         Info(c.metric("info"), "engine build and configuration", [label], registry=reg).labels(model_name).info(info)
         self._seen = SchedulerCounters()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._gauge_values: dict[tuple[str, tuple[str, ...]], float] = {}  # what each gauge was set to
+        for name in classes:  # each class's stall count is exported from the start (rate() needs two samples)
+            self._c("stalled_requests", name)
 
         self.vllm: dict[str, Gauge | Counter | Histogram] = {}
         if vllm_compat:
@@ -280,17 +293,31 @@ class EngineMetrics:
                 self.itl.observe_all((self.model_name,), gaps)
 
     def on_finish(self, req: Request, now: float) -> None:
-        """A request ended: its latency, and its SLO verdict (TBT by the p99 of its token gaps)."""
+        """A request ended: its latency, its worst gap between tokens and its SLO verdict (TBT: the
+        p99 of its token gaps within the TBT target and its worst gap within its stall budget)."""
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         self._c("requests_finished", reason).inc()
         self._child(self.e2e).observe(now - req.arrival_time)
         self._compat("e2e", "observe", now - req.arrival_time)
         if req.t_first_token is None:
             return  # aborted before its first token: no latency to judge
+        stall_met = self._observe_worst_gap(req)
         ttft_met = meets_ttft(req.t_first_token - req.arrival_time, req.slo)
-        tbt_met = meets_tbt(p99_gap(req.token_gaps), req.slo)
+        tbt_met = stall_met and meets_tbt(p99_gap(req.token_gaps), req.slo)
         verdict = ("met" if ttft_met else "missed", "met" if tbt_met else "missed")
         self._c("slo_requests", *verdict, req.slo_class).inc()
+
+    def _observe_worst_gap(self, req: Request) -> bool:
+        """Export a finished stream's worst gap (two or more output tokens: one has no gap) and count
+        it as stalled past its stall budget; True when the budget was met."""
+        if req.num_output_tokens < 2:
+            return True
+        worst = req.max_gap_s
+        self._child(self.worst_gap, req.slo_class).observe(worst)
+        if meets_stall(worst, req.slo):
+            return True
+        self._c("stalled_requests", req.slo_class).inc()
+        return False
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

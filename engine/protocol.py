@@ -81,6 +81,7 @@ class SLOField(BaseModel):
     model_config = ConfigDict(extra="forbid")  # our own field: strict
     ttft_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
     tbt_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
+    stall_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)  # at least the request's TBT target
 
 
 class ResponseFormat(BaseModel):

@@ -148,6 +148,24 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
     return error_response(error)
 
 
+SLO_HEADERS = {"ttft": c.SLO_TTFT_HEADER, "tbt": c.SLO_TBT_HEADER, "stall": c.SLO_STALL_HEADER}
+
+
+def _slo_headers(request: web.Request) -> dict[str, float | None]:
+    """The SLO targets a request's headers give (milliseconds by kind; None where absent); 400 on a bad one."""
+    targets: dict[str, float | None] = dict.fromkeys(SLO_HEADERS)
+    for kind, header in SLO_HEADERS.items():
+        if header in request.headers:
+            try:
+                value = float(request.headers[header])
+            except ValueError:
+                value = -1.0
+            if not 0 < value <= c.MAX_SLO_MS:
+                raise APIError(400, f"header {header} must be a number of milliseconds in (0, {c.MAX_SLO_MS:g}]")
+            targets[kind] = value
+    return targets
+
+
 class OpenAIServer:
     def __init__(self, engine: AsyncEngine | ProcessEngine, config: EngineConfig) -> None:
         """`engine`: the core on a thread of this process (AsyncEngine) or in a process of its own
@@ -269,20 +287,20 @@ class OpenAIServer:
                 param="slo_class" if from_body else None,
                 code="unknown_slo_class",
             )
-        targets: dict[str, float | None] = {"ttft": None, "tbt": None}
-        for header, kind in ((c.SLO_TTFT_HEADER, "ttft"), (c.SLO_TBT_HEADER, "tbt")):
-            if header in request.headers:
-                try:
-                    value = float(request.headers[header])
-                except ValueError:
-                    value = -1.0
-                if not 0 < value <= c.MAX_SLO_MS:
-                    raise APIError(400, f"header {header} must be a number of milliseconds in (0, {c.MAX_SLO_MS:g}]")
-                targets[kind] = value
+        targets = _slo_headers(request)
         if body.slo is not None:
             targets["ttft"] = body.slo.ttft_ms or targets["ttft"]
             targets["tbt"] = body.slo.tbt_ms or targets["tbt"]
-        slo, priority = resolve(classes[name], targets["ttft"], targets["tbt"], body.priority)
+            targets["stall"] = body.slo.stall_ms or targets["stall"]
+        try:
+            slo, priority = resolve(classes[name], targets["ttft"], targets["tbt"], body.priority, targets["stall"])
+        except ValueError as exc:  # a stall budget below the request's TBT target
+            from_body = body.slo is not None and body.slo.stall_ms is not None
+            raise APIError(
+                400,
+                f"{exc} (from {'slo.stall_ms' if from_body else f'header {c.SLO_STALL_HEADER}'})",
+                param="slo.stall_ms" if from_body else None,
+            ) from exc
         return name, slo, priority
 
     def _max_tokens(self, requested: int | None, num_prompt: int, prompt_field: str) -> int:
