@@ -1,4 +1,6 @@
-"""Latency pressure per SLO class: each class's p90 TTFT and TBT against that class's own targets.
+"""Latency pressure per SLO class: each class's p90 TTFT and TBT against that class's own targets,
+and its stalled streams (a worst gap past the class's stall budget) against a small share of its
+finished requests: a stream that freezes for seconds misses TBT even when the p90 gap looks fine.
 
 Pooling the classes would hold a lenient class (batch: 30 s to the first token) to the strict
 targets of the spec and scale up while every request meets its SLO, so the autoscaler looks at
@@ -14,6 +16,10 @@ from dataclasses import dataclass
 from superinfer.engine.contract import BUILTIN_SLO_CLASSES, DEFAULT_SLO_CLASS
 from superinfer.operator.api.inference_service import SLOSpec
 from superinfer.operator.autoscaling.pod_metrics import WindowStats
+
+# A class is in distress when more of its finished requests than this stalled past their stall
+# budget in the window (the engine judges each stream against its own class's budget).
+STALLED_SHARE_LIMIT = 0.01
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,11 @@ class ClassLatency:
     ttft_p90_ms: float | None
     tbt_p90_ms: float | None
     targets: Targets
+    stalled: float = 0.0  # of `requests`, the streams whose worst gap exceeded the stall budget
+
+    @property
+    def stalled_share(self) -> float | None:
+        return self.stalled / self.requests if self.requests else None
 
 
 def spec_targets(slo: SLOSpec) -> dict[str, Targets]:
@@ -52,14 +63,25 @@ def class_latencies(s: WindowStats, known: Mapping[str, Targets], default: Targe
     for name, c in s.classes.items():
         fallback = known.get(name, default)
         targets = Targets(c.ttft_target_ms or fallback.ttft_ms, c.tbt_target_ms or fallback.tbt_ms)
-        out.append(ClassLatency(name, c.requests, c.ttft_p90_ms, c.tbt_p90_ms, targets))
+        out.append(ClassLatency(name, c.requests, c.ttft_p90_ms, c.tbt_p90_ms, targets, c.stalled))
     return out
 
 
 def over_targets(c: ClassLatency) -> list[tuple[float, str]]:
-    """(p90 / target, why) for each of the class's p90s above its target."""
+    """(how far over, why) for each of the class's p90s above its target, and for its stalls."""
     out = []
     for kind, p90, target in (("TTFT", c.ttft_p90_ms, c.targets.ttft_ms), ("TBT", c.tbt_p90_ms, c.targets.tbt_ms)):
         if p90 is not None and p90 > target:
             out.append((p90 / target, f"p90 {kind} {p90:.0f}ms > {target:g}ms (class {c.name})"))
-    return out
+    return out + over_stall_limit(c)
+
+
+def over_stall_limit(c: ClassLatency) -> list[tuple[float, str]]:
+    """(ratio, why) when the class's share of stalled streams is over STALLED_SHARE_LIMIT. The ratio
+    is that of the stall-free shares, as attainment's: 10% stalled asks for ~1.1x the replicas."""
+    share = c.stalled_share
+    if share is None or share <= STALLED_SHARE_LIMIT:
+        return []
+    ratio = max((1 - STALLED_SHARE_LIMIT) / max(1 - share, 0.05), 1.01)
+    why = f"{share:.1%} of requests stalled past the stall budget > {STALLED_SHARE_LIMIT:.0%} (class {c.name})"
+    return [(ratio, why)]

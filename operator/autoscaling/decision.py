@@ -6,7 +6,8 @@ Order of the rules (first match wins):
 1. bounds changed → clamp to [min, max];
 2. initial delay, missing/stale metrics → hold (MetricsAvailable=False);
 3. pods pending → hold (never stack scale-ups); unschedulable → hold, InsufficientCapacity;
-4. distress (attainment < target, a class's p90 TTFT/TBT over that class's SLO, or saturation) →
+4. distress (attainment < target, a class's p90 TTFT/TBT over that class's SLO, more than
+   STALLED_SHARE_LIMIT of a class's requests stalled past its stall budget, or saturation) →
    proportional scale-up, capped at +maxStepPercent (≤ 2×) and maxReplicas, after the cooldown;
 5. too few finished requests → hold (SLOMet=Unknown);
 6. healthy for stabilizationSeconds → remove one replica if the survivors, taking N/(N-1) of the
@@ -14,8 +15,8 @@ Order of the rules (first match wins):
    the capacity profile, when given, lets N-1 replicas take the request rate.
 With a capacity profile, a scale-up is also at least as large as the profile says the rate needs.
 
-Latency is judged per SLO class (class_pressure.py), for the classes with minRequests finished requests
-in the window; attainment already judges each request against its own class.
+Latency and stalls are judged per SLO class (class_pressure.py), for the classes with minRequests
+finished requests in the window; attainment already judges each request against its own class.
 """
 
 from __future__ import annotations

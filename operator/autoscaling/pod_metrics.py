@@ -2,8 +2,8 @@
 
 A Snapshot is one scrape of one pod reduced to what the autoscaler needs; a Window keeps each
 pod's snapshots and turns counter and histogram deltas over `window_seconds` into WindowStats.
-SLO verdicts and latency histograms are kept per SLO class (series without the label belong to
-the default class), so each class's p90 can be held against that class's own targets.
+SLO verdicts, latency histograms and stalled streams are kept per SLO class (series without the
+label belong to the default class), so each class can be held against its own targets.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ ROTARY = metric("requests_rotary")
 KV_USAGE = metric("kv_cache_usage_ratio")
 SWAP_BYTES = metric("kv_swap_bytes") + "_total"
 SLO_TARGET = metric(SLO_TARGET_GAUGE)
+STALLED = metric("stalled_requests") + "_total"
 USED_SERIES = (
     SLO_SERIES,
     TTFT_BUCKET,
@@ -42,6 +43,7 @@ USED_SERIES = (
     KV_USAGE,
     SWAP_BYTES,
     SLO_TARGET,
+    STALLED,
 )
 
 
@@ -64,6 +66,7 @@ class Snapshot:
     kv_usage: Mapping[str, float] = field(default_factory=dict)  # tier -> ratio
     swap_bytes: Mapping[str, float] = field(default_factory=dict)  # direction -> bytes
     targets: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (slo_class, ttft|tbt) -> seconds
+    stalled: Mapping[str, float] = field(default_factory=dict)  # slo_class -> streams past their stall budget
 
 
 def parse(text: str, now: float, model_name: str | None = None) -> Snapshot:
@@ -74,6 +77,7 @@ def parse(text: str, now: float, model_name: str | None = None) -> Snapshot:
     kv: dict[str, float] = {}
     swap: dict[str, float] = {}
     targets: dict[tuple[str, str], float] = {}
+    stalled: dict[str, float] = {}
     scalars = {TBT_SUM: 0.0, TBT_COUNT: 0.0, RUNNING: 0.0, WAITING: 0.0, ROTARY: 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -91,6 +95,8 @@ def parse(text: str, now: float, model_name: str | None = None) -> Snapshot:
             elif name == SLO_TARGET:
                 target = (slo_class(labels), labels.get("kind", ""))
                 targets[target] = min(value, targets.get(target, math.inf))  # strictest over model names
+            elif name == STALLED:
+                stalled[slo_class(labels)] = stalled.get(slo_class(labels), 0.0) + value
             elif name == KV_USAGE:
                 kv[labels.get("tier", "gpu")] = value
             elif name == SWAP_BYTES:
@@ -111,6 +117,7 @@ def parse(text: str, now: float, model_name: str | None = None) -> Snapshot:
         kv_usage=kv,
         swap_bytes=swap,
         targets=targets,
+        stalled=stalled,
     )
 
 
@@ -133,6 +140,7 @@ class ClassStats:
     tbt_p90_ms: float | None
     ttft_target_ms: float | None = None  # as the engine exports it; None when the source has none
     tbt_target_ms: float | None = None
+    stalled: float = 0.0  # finished streams whose worst gap exceeded their stall budget
 
 
 @dataclass(frozen=True)
@@ -168,9 +176,12 @@ def class_stats(
     slo: Mapping[tuple[str, str, str], float],
     p90: Mapping[tuple[str, str], float | None],
     targets: Mapping[tuple[str, str], float | None],
+    stalled: Mapping[str, float] | None = None,
 ) -> dict[str, ClassStats]:
     """Per-class statistics of the classes with traffic in the window, from verdict counts keyed
-    (class, ttft, tbt), and p90s and targets in seconds keyed (class, ttft|tbt)."""
+    (class, ttft, tbt), p90s and targets in seconds keyed (class, ttft|tbt) and stalled streams
+    keyed by class."""
+    stalled = stalled or {}
     out: dict[str, ClassStats] = {}
     for name in sorted({c for c, _, _ in slo} | {c for c, _ in p90}):
         total, both, _ = slo_shares(of_class(slo, name))
@@ -184,6 +195,7 @@ def class_stats(
             tbt_p90_ms=ms(tbt),
             ttft_target_ms=ms(targets.get((name, "ttft"))),
             tbt_target_ms=ms(targets.get((name, "tbt"))),
+            stalled=stalled.get(name, 0.0),
         )
     return out
 
@@ -298,6 +310,7 @@ class Window:
         kv_gpu: list[float] = []
         kv_cpu: list[float] = []
         targets: dict[tuple[str, str], float] = {}
+        stalled: dict[str, float] = {}
         pods = 0
         for queue in self.series.values():
             if not queue or now - queue[-1].time > fresh_seconds:
@@ -308,6 +321,7 @@ class Window:
             _add(slo, _delta(last.slo, base.slo) if base else {})
             _add(ttft, _delta(last.ttft_buckets, base.ttft_buckets) if base else {})
             _add(tbt, _delta(last.tbt_buckets, base.tbt_buckets) if base else {})
+            _add(stalled, _delta(last.stalled, base.stalled) if base else {})
             if base:
                 d = _delta(
                     {"s": last.tbt_sum, "c": last.tbt_count, "w": sum(last.swap_bytes.values())},
@@ -341,5 +355,5 @@ class Window:
             kv_gpu=sum(kv_gpu) / len(kv_gpu) if kv_gpu else None,
             kv_cpu=sum(kv_cpu) / len(kv_cpu) if kv_cpu else None,
             swap_gbps=swap / 1e9,
-            classes=class_stats(slo, class_p90s(ttft, tbt), targets),
+            classes=class_stats(slo, class_p90s(ttft, tbt), targets, stalled),
         )

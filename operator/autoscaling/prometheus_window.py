@@ -1,10 +1,10 @@
 """The autoscaler's window from a Prometheus server instead of scraping the pods.
 
 The same WindowStats as pod_metrics.Window produces, from instant PromQL queries over the window
-(verdicts, p90s and targets per SLO class as well as pooled). The server is the one the cluster
-admin configured for the operator, never a URL from a tenant's resource; series are selected by
-namespace and the `inferenceservice` label (added by the PodMonitors from the pod label), so two
-services serving the same model name never mix.
+(verdicts, p90s and targets per SLO class as well as pooled; stalled streams per class). The
+server is the one the cluster admin configured for the operator, never a URL from a tenant's
+resource; series are selected by namespace and the `inferenceservice` label (added by the
+PodMonitors from the pod label), so two services serving the same model name never mix.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def queries(namespace: str, service: str, window_seconds: float) -> dict[str, st
         "ttft_p90_class": quantile("time_to_first_token_seconds", per_class),
         "tbt_p90_class": quantile("time_between_tokens_seconds", per_class),
         "targets": f"min by ({SLO_CLASS_LABEL}, kind) ({metric(SLO_TARGET_GAUGE)}{{{sel}}})",
+        "stalled": f"sum by ({SLO_CLASS_LABEL}) (increase({metric('stalled_requests')}_total{{{sel}}}[{w}]))",
         "tbt_mean": f"sum(rate({tbt}_sum{{{sel}}}[{w}])) / sum(rate({tbt}_count{{{sel}}}[{w}]))",
         "pods": f"count({metric('requests_running')}{{{sel}}})",
         "running": f"sum({metric('requests_running')}{{{sel}}})",
@@ -73,8 +74,9 @@ def _scalar(result: list[Mapping[str, Any]]) -> float | None:
     return _value(result[0]) if result else None
 
 
-def class_keyed(results: Mapping[str, list[Mapping[str, Any]]]) -> tuple[dict, dict, dict]:
-    """Verdict counts (class, ttft, tbt), p90s and targets (class, ttft|tbt) from the vectors."""
+def class_keyed(results: Mapping[str, list[Mapping[str, Any]]]) -> tuple[dict, dict, dict, dict]:
+    """Verdict counts (class, ttft, tbt), p90s and targets (class, ttft|tbt) and stalled streams
+    (class) from the vectors."""
     slo = {(slo_class(r["metric"]), r["metric"].get("ttft", ""), r["metric"].get("tbt", "")): float(r["value"][1])
            for r in results.get("slo", [])}  # fmt: skip
     p90 = {
@@ -83,7 +85,8 @@ def class_keyed(results: Mapping[str, list[Mapping[str, Any]]]) -> tuple[dict, d
         for r in results.get(f"{kind}_p90_class", [])
     }
     targets = {(slo_class(r["metric"]), r["metric"].get("kind", "")): _value(r) for r in results.get("targets", [])}
-    return slo, p90, targets
+    stalled = {slo_class(r["metric"]): _value(r) or 0.0 for r in results.get("stalled", [])}
+    return slo, p90, targets, stalled
 
 
 def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: float) -> WindowStats | None:
@@ -91,7 +94,7 @@ def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: 
     pods = _scalar(results.get("pods", []))
     if not pods:
         return None
-    slo, p90, targets = class_keyed(results)
+    slo, p90, targets, stalled = class_keyed(results)
     total, both, ttft_only = slo_shares(pooled(slo))
     kv = {r["metric"].get("tier", ""): float(r["value"][1]) for r in results.get("kv", [])}
     ttft, tbt, tbt_mean = (_scalar(results.get(k, [])) for k in ("ttft_p90", "tbt_p90", "tbt_mean"))
@@ -110,7 +113,7 @@ def build_stats(results: Mapping[str, list[Mapping[str, Any]]], window_seconds: 
         kv_gpu=kv.get("gpu"),
         kv_cpu=kv.get("cpu"),
         swap_gbps=(_scalar(results.get("swap", [])) or 0.0) / 1e9,
-        classes=class_stats(slo, p90, targets),
+        classes=class_stats(slo, p90, targets, stalled),
     )
 
 

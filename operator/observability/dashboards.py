@@ -96,6 +96,31 @@ def _latency(kind: str, histogram: str) -> dict[str, Any]:
     return panel(f"{kind.upper()} p50 / p90 / p99 vs SLO, by SLO class", targets, unit="s")
 
 
+def _stalls() -> list[dict[str, Any]]:
+    """Streams that freeze: each class's worst-gap p99 against its stall budget, and how many
+    finished requests stalled past it, per second and as a share (the autoscaler's signal)."""
+    legend = "{{slo_class}} {{model_name}}"
+    stalled = q.rate_sum(metric("stalled_requests") + "_total", q.BY_CLASS)
+    budget = (q.slo_line("stall"), f"budget {legend}")
+    return [
+        panel(
+            "Worst gap between tokens p99 vs stall budget, by SLO class",
+            [(q.quantile(0.99, "worst_gap_seconds", q.BY_CLASS), f"p99 {legend}"), budget],
+            "s",
+            width=8,
+        ),
+        panel(
+            "Stalled requests/s (worst gap past the stall budget), by SLO class", [(stalled, legend)], "reqps", width=8
+        ),
+        panel(
+            "Stalled share of finished requests, by SLO class",
+            [(f"{stalled} / {q.rate_sum(q.SLO, q.BY_CLASS)}", legend)],
+            "percentunit",
+            width=8,
+        ),
+    ]
+
+
 def slo_overview() -> dict[str, Any]:
     finished = q.rate_sum(q.SLO)
     panels = [
@@ -140,6 +165,7 @@ def slo_overview() -> dict[str, Any]:
         ),
         _latency("ttft", "time_to_first_token_seconds"),
         _latency("tbt", "time_between_tokens_seconds"),
+        *_stalls(),
         panel(
             "Requests missing an SLO",
             [(q.rate_sum(q.SLO, "model_name, ttft, tbt", extra='ttft="missed"'), "TTFT missed, TBT {{tbt}}"),

@@ -221,14 +221,15 @@ def test_every_promql_expr_uses_only_exported_metric_names(chart):
         assert names, expr
         assert names <= known, f"{sorted(names - known)} in {expr}"
         used |= names
-    # The dashboards really cover the engine: SLO counters, both latency histograms, rotation, swap, copies.
+    # The dashboards really cover the engine: SLO counters, both latency histograms, stalls, rotation, swap, copies.
     for needed in ("superinfer_engine_slo_requests_total", "superinfer_engine_time_to_first_token_seconds_bucket",
                    "superinfer_engine_time_between_tokens_seconds_bucket", "superinfer_engine_requests_rotary",
                    "superinfer_engine_kv_swap_bytes_total", "superinfer_operator_desired_replicas",
                    "superinfer_engine_rotation_seconds_bucket", "superinfer_engine_kv_copy_queue_seconds_bucket",
                    "superinfer_engine_kv_copy_bandwidth_bytes_per_second_bucket",
                    "superinfer_engine_kv_copy_hidden_ratio_sum",
-                   "superinfer_engine_kv_copy_hidden_ratio_count"):  # fmt: skip
+                   "superinfer_engine_kv_copy_hidden_ratio_count", "superinfer_engine_worst_gap_seconds_bucket",
+                   "superinfer_engine_stalled_requests_total"):  # fmt: skip
         assert needed in used
 
 

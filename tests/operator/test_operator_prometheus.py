@@ -40,6 +40,10 @@ ANSWERS = {
         vector(30, kind="ttft", slo_class="batch"),
         vector(1, kind="tbt", slo_class="batch"),
     ],
+    "sum by (slo_class) (increase(superinfer_engine_stalled_requests_total": [
+        vector(1, slo_class="default"),  # 1 of 90: over the share, but attainment drives the step
+        vector(0, slo_class="batch"),
+    ],
     "sum(rate(superinfer_engine_time_between_tokens_seconds_sum": [vector("NaN")],
     "count(": [vector(2)],
     "sum(superinfer_engine_requests_running": [vector(30)],
@@ -104,6 +108,7 @@ async def test_window_from_prometheus_feeds_decide():
     assert (batch.requests, batch.attainment, batch.ttft_p90_ms, batch.tbt_p90_ms) == (10, 1.0, 12000, None)
     assert (batch.ttft_target_ms, batch.tbt_target_ms) == (30000, 1000)
     assert stats.classes["default"].attainment == 50 / 90
+    assert (stats.classes["default"].stalled, batch.stalled) == (1, 0)
     spec = InferenceServiceSpec.model_validate({"model": {"uri": "preset://tiny"}, "autoscaling": {"enabled": True}})
     decision = decide(Observation(1000, 2, 2, 0, 0, stats), Params.from_spec(spec), Memory(started_at=0))
     assert decision.action == "ScaleUp" and decision.target == 4
