@@ -8,6 +8,9 @@
 - poisson: two classes on Poisson arrivals at a rate that exhausts the KV budget: 70%
   interactive (TTFT 500 ms, TBT 100 ms), 30% batch (TTFT 10 s, TBT 500 ms: a background job that
   only has to keep streaming): per-class TTFT attainment, goodput, tokens/s, rotations per request.
+- trace (only with a trace given): an Azure LLM inference trace's window replayed with its own
+  arrivals (compressed by a speed-up, lengths scaled and capped), one SLO (TTFT 1 s, TBT 100 ms):
+  TTFT and TBT attainment, stalls, goodput, tokens/s, rotations per request.
 """
 
 from __future__ import annotations
@@ -15,15 +18,43 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.workload import RequestClass, WorkItem, burst_workload, mixed_workload
+from superinfer.bench.workload import RequestClass, WorkItem, azure_trace, burst_workload, mixed_workload
 from superinfer.engine.slo import SLO, percentile
 
 HOL_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)
 INTERACTIVE = RequestClass("interactive", 0.7, SLO(ttft_ms=500.0, tbt_ms=100.0), prompt_median=48, output_median=64)
 BATCH = RequestClass("batch", 0.3, SLO(ttft_ms=10_000.0, tbt_ms=500.0), prompt_median=192, output_median=256)
 CLASSES = (INTERACTIVE, BATCH)
+TRACE_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)
+
+
+@dataclass(frozen=True)
+class TraceLoad:
+    """A window of an Azure LLM inference trace, as the trace load replays it."""
+
+    path: Path
+    speedup: float = 1.0
+    length_scale: float = 0.25  # the traces' prompts (median ~1000 tokens) at the tiny model's scale
+    start_s: float = 0.0
+    duration_s: float | None = 60.0  # trace seconds; None: to the trace's end
+    max_len: int = 512  # per prompt and per output, as the Poisson load
+    slo: SLO = TRACE_SLO
+
+    def items(self) -> list[WorkItem]:
+        return azure_trace(
+            self.path,
+            speedup=self.speedup,
+            length_scale=self.length_scale,
+            start_s=self.start_s,
+            duration_s=self.duration_s,
+            max_prompt=self.max_len,
+            max_output=self.max_len,
+            slo=self.slo,
+            label="trace",
+        )
 
 
 @dataclass(frozen=True)
@@ -43,6 +74,7 @@ class LoadShape:
     poisson_rate: float = 4.0
     poisson_duration_s: float = 40.0
     poisson_max_len: int = 512  # per prompt and per output, so any request fits max_model_len
+    trace: TraceLoad | None = None  # the trace load's window (it runs only with one)
 
     def quick(self) -> LoadShape:
         return LoadShape(
@@ -51,6 +83,7 @@ class LoadShape:
             hol_long_output=192,
             poisson_rate=self.poisson_rate,
             poisson_duration_s=10.0,
+            trace=self.trace,
         )
 
 
@@ -89,10 +122,14 @@ def items(load: str, shape: LoadShape, seed: int) -> list[WorkItem]:
             max_prompt=shape.poisson_max_len,
             max_output=shape.poisson_max_len,
         )
+    if load == "trace":
+        if shape.trace is None:
+            raise ValueError("the trace load replays a trace: give one (--trace PATH)")
+        return shape.trace.items()  # the trace's own arrivals and lengths: the seed only picks prompt tokens
     raise ValueError(f"unknown load {load!r}")
 
 
-LOADS = ("batch1", "saturation", "hol", "poisson")
+LOADS = ("batch1", "saturation", "hol", "poisson", "trace")
 SEQUENTIAL = ("batch1",)  # sent one at a time, each after the previous one finished
 
 
@@ -149,6 +186,21 @@ def figures(
             "tbt_attainment": every["tbt_attainment"],
             "tbt_mean_attainment": every["tbt_mean_attainment"],
         }
+        if rotations is not None:
+            out["rotations_per_request"] = rotations / len(timings) if timings else 0.0
+    elif load == "trace":
+        keys = (
+            "requests",
+            "ttft_attainment",
+            "ttft_p99_ms",
+            "tbt_attainment",
+            "tbt_p99_attainment",
+            "worst_gap_p99_ms",
+            "stalled_1s_share",
+            "goodput_share",
+            "goodput_rps",
+        )
+        out |= {k: every[k] for k in keys}
         if rotations is not None:
             out["rotations_per_request"] = rotations / len(timings) if timings else 0.0
     else:

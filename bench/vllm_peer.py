@@ -12,6 +12,11 @@ once and the runs interleave the contenders, so drift on a shared machine hits t
     .venv/bin/python -m bench.vllm_peer             # 3 runs per load and contender (~12 min on 2 cores)
     .venv/bin/python -m bench.vllm_peer --quick     # 1 run, shorter loads
     .venv/bin/python -m bench.vllm_peer --vllm-python /path/to/venv/bin/python --contenders vllm@1,fcfs@1,rotary@1
+    .venv/bin/python -m bench.vllm_peer --phases tight --loads trace --trace /work/data/azure/conv.csv
+
+With `--trace PATH` (an Azure LLM inference trace, CSV `TIMESTAMP,ContextTokens,GeneratedTokens`, read
+from the path and never committed) the tight phase also replays a window of it with its own arrivals
+(`--trace-speedup`, `--length-scale`, `--trace-start`, `--trace-duration`), under one SLO.
 
 Contenders are `vllm@T` or `POLICY@T` with T compute threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0..T-1,
 ours: OMP_NUM_THREADS=T). The default runs each at its own default on 2 cores: one compute thread
@@ -38,16 +43,63 @@ from rich.console import Console
 
 from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.loadgen import LoadRequest, run_load, stream_completion
-from superinfer.bench.peer_loads import CLASSES, HOL_SLO, LOADS, SEQUENTIAL, LoadShape, figures, items
+from superinfer.bench.peer_loads import (
+    CLASSES,
+    HOL_SLO,
+    LOADS,
+    SEQUENTIAL,
+    TRACE_SLO,
+    LoadShape,
+    TraceLoad,
+    figures,
+    items,
+)
 from superinfer.bench.peer_settings import Contender, Matched, command
-from superinfer.bench.peer_table import Results, markdown, rich_table, spreads, versus_vllm
+from superinfer.bench.peer_table import Results, cell, markdown, rich_table, rows, spreads, versus_vllm
 from superinfer.bench.record import write_result
 from superinfer.bench.server_process import Launch, cpu_seconds, free_port, serving
-from superinfer.bench.workload import WorkItem, prompt_tokens
+from superinfer.bench.workload import WorkItem, mean_rate, prompt_tokens
 from superinfer.engine.contract import BUILTIN_SLO_CLASSES, METRICS_PATH
+from superinfer.engine.slo import SLO
 
-PHASES = {"ample": ("batch1", "saturation"), "tight": ("hol", "poisson")}
+PHASES = {"ample": ("batch1", "saturation"), "tight": ("hol", "poisson", "trace")}
 DEFAULT_CONTENDERS = "vllm@1,fcfs@1,rotary@1"  # each at its default threads on 2 cores
+
+
+def phase_loads(phase: str, only: Sequence[str] | None, trace: bool) -> list[str]:
+    """The phase's loads to run: those in `only` (all when None), the trace load only with a trace."""
+    return [load for load in PHASES[phase] if (only is None or load in only) and (trace or load != "trace")]
+
+
+# The trace load's rows in the table (peer_table's rows cover the synthetic loads).
+TRACE_ROWS = (
+    ("ttft_attainment", "trace: TTFT attainment", "{:.0%}"),
+    ("ttft_p99_ms", "trace: TTFT p99 (ms)", "{:.0f}"),
+    ("tbt_attainment", "trace: TBT attainment (p99 gap and stall budget)", "{:.0%}"),
+    ("tbt_p99_attainment", "trace: TBT attainment (p99 gap alone)", "{:.0%}"),
+    ("worst_gap_p99_ms", "trace: worst gap p99 over streams (ms)", "{:.0f}"),
+    ("stalled_1s_share", "trace: streams stalled over 1 s", "{:.0%}"),
+    ("goodput_share", "trace: goodput share", "{:.0%}"),
+    ("goodput_rps", "trace: goodput (req/s)", "{:.2f}"),
+    ("output_tok_s", "trace: output tok/s", "{:.0f}"),
+    ("rotations_per_request", "trace: rotations per request", "{:.1f}"),
+    ("preemptions", "trace: recompute preemptions", "{:.0f}"),
+)
+
+
+def trace_rows(results: Results, contenders: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The trace load's rows (label, one cell per contender); none when it did not run."""
+    if not any("trace" in results.get(c, {}) for c in contenders):
+        return []
+    return [
+        (label, [cell(results.get(c, {}).get("trace", {}).get(key), fmt) for c in contenders])
+        for key, label, fmt in TRACE_ROWS
+    ]
+
+
+def trace_markdown(table_rows: Sequence[tuple[str, list[str]]], contenders: Sequence[str]) -> str:
+    lines = ["| | " + " | ".join(f"`{c}`" for c in contenders) + " |", "|---" * (len(contenders) + 1) + "|"]
+    return "\n".join(lines + [f"| {label} | " + " | ".join(cells) + " |" for label, cells in table_rows])
 
 
 def load_seed(seed: int, run: int, load: str) -> int:
@@ -215,7 +267,7 @@ async def run_phase(
         for run in range(args.runs):
             k = run % len(triples)  # rotate the order so no contender always goes first
             for c, url, pid in triples[k:] + triples[:k]:
-                for load in PHASES[phase]:
+                for load in phase_loads(phase, args.loads, shape.trace is not None):
                     seed = load_seed(args.seed, run, load)
                     figs = await asyncio.wait_for(
                         measure(
@@ -255,6 +307,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=None, help="two-class Poisson seconds of arrivals")
     parser.add_argument("--phases", default="ample,tight")
     parser.add_argument(
+        "--loads", default=None, help=f"only these loads of the phases, comma-separated ({', '.join(LOADS)})"
+    )
+    t = parser.add_argument_group("trace load (Azure LLM inference trace CSV, read from a path, never committed)")
+    t.add_argument("--trace", type=Path, default=None, help="TIMESTAMP,ContextTokens,GeneratedTokens CSV (or .csv.gz)")
+    t.add_argument("--trace-speedup", type=float, default=1.0, help="arrivals compressed by this factor")
+    t.add_argument(
+        "--length-scale",
+        type=float,
+        default=TraceLoad.length_scale,
+        help=f"prompt and output lengths times this, clamped to [1, {TraceLoad.max_len}]",
+    )
+    t.add_argument("--trace-start", type=float, default=0.0, help="window start, trace seconds after its first row")
+    t.add_argument(
+        "--trace-duration",
+        type=float,
+        default=None,
+        help=f"window length in trace seconds (default {TraceLoad.duration_s:g}, quick 15; 0: to the end)",
+    )
+    t.add_argument("--trace-ttft-slo-ms", type=float, default=TRACE_SLO.ttft_ms)
+    t.add_argument("--trace-tbt-slo-ms", type=float, default=TRACE_SLO.tbt_ms)
+    parser.add_argument(
         "--structured-share",
         type=float,
         default=0.0,
@@ -273,9 +346,45 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-record", action="store_true", help="do not write bench/results JSON")
     args = parser.parse_args(argv)
     args.runs = args.runs or (1 if args.quick else 3)
+    args.loads = None if args.loads is None else [x.strip() for x in args.loads.split(",") if x.strip()]
+    unknown = sorted(set(args.loads or ()) - set(LOADS))
+    if unknown:
+        parser.error(f"unknown load(s) {', '.join(unknown)}; choose from {', '.join(LOADS)}")
+    if args.loads and "trace" in args.loads and args.trace is None:
+        parser.error("the trace load needs --trace PATH")
     args.vllm_python = str(Path(args.vllm_python).absolute())  # servers run from their log folder
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="vllm_peer-"))
     return args
+
+
+def trace_load(args: argparse.Namespace) -> TraceLoad | None:
+    """The trace load the flags describe (None without --trace); its window read once to check it."""
+    if args.trace is None:
+        return None
+    duration = args.trace_duration if args.trace_duration is not None else 15.0 if args.quick else TraceLoad.duration_s
+    load = TraceLoad(
+        args.trace.absolute(),
+        speedup=args.trace_speedup,
+        length_scale=args.length_scale,
+        start_s=args.trace_start,
+        duration_s=duration or None,
+        slo=SLO(args.trace_ttft_slo_ms, args.trace_tbt_slo_ms),
+    )
+    load.items()  # a bad path, format or window fails here, before any server starts
+    return load
+
+
+def trace_summary(load: TraceLoad) -> dict[str, Any]:
+    """The trace load as the record keeps it: where it was read, its window and what it holds."""
+    work = load.items()
+    record = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(load).items()}
+    record |= {
+        "requests": len(work),
+        "mean_rate": mean_rate(work) if len(work) > 1 else None,
+        "prompt_tokens_mean": sum(i.prompt_len for i in work) / len(work),
+        "output_tokens_mean": sum(i.output_len for i in work) / len(work),
+    }
+    return record
 
 
 async def main_async(args: argparse.Namespace) -> Results:
@@ -292,8 +401,16 @@ async def main_async(args: argparse.Namespace) -> Results:
         shape,
         poisson_rate=args.rate or shape.poisson_rate,
         poisson_duration_s=args.duration or shape.poisson_duration_s,
+        trace=trace_load(args),
     )
     console.print(f"model {model_dir}; server logs in {args.log_dir}")
+    if shape.trace is not None:
+        t = trace_summary(shape.trace)
+        rate = "n/a" if t["mean_rate"] is None else f"{t['mean_rate']:.2f}"
+        console.print(
+            f"trace load: {t['requests']} requests of {args.trace}, {rate} req/s, "
+            f"mean lengths {t['prompt_tokens_mean']:.0f} / {t['output_tokens_mean']:.0f} tokens"
+        )
     results: Results = {}
     blocks = {"ample": args.ample_blocks, "tight": args.tight_blocks}
     settings = {}
@@ -303,8 +420,12 @@ async def main_async(args: argparse.Namespace) -> Results:
         await run_phase(args, phase, matched, contenders, shape, vocab_size, results, console)
 
     names = [c.name for c in contenders]
-    console.print(rich_table(results, names, "the same loads, served by each (median of runs, min–max)"))
-    console.print(markdown(results, names), highlight=False, markup=False, soft_wrap=True)
+    if rows(results, names):  # the synthetic loads' table (empty when only the trace ran)
+        console.print(rich_table(results, names, "the same loads, served by each (median of runs, min–max)"))
+        console.print(markdown(results, names), highlight=False, markup=False, soft_wrap=True)
+    extra_rows = trace_rows(results, names)
+    if extra_rows:
+        console.print(trace_markdown(extra_rows, names), highlight=False, markup=False, soft_wrap=True)
     if not args.no_record:
         figures_ = {"contenders": spreads(results), "versus_vllm": versus_vllm(results, names)}
         goal = {
@@ -324,8 +445,11 @@ async def main_async(args: argparse.Namespace) -> Results:
             "slo": {
                 "hol": dataclasses.asdict(HOL_SLO),
                 "poisson": {c.label: {"share": c.share, **dataclasses.asdict(c.slo)} for c in CLASSES},
+                "trace": dataclasses.asdict(shape.trace.slo) if shape.trace is not None else None,
             },
             "table_markdown": markdown(results, names),
+            "trace": trace_summary(shape.trace) if shape.trace is not None else None,
+            "trace_table_markdown": trace_markdown(extra_rows, names) if extra_rows else None,
         }
         out = write_result("vllm_peer", args.device, figures_, goal, extra, tag=args.tag)
         console.print(f"wrote {out}")

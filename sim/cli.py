@@ -8,14 +8,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-# The columns of the per-point table (the full report goes to --json).
+# The columns of the per-point table (the full report goes to --json), explained by its caption.
 COLUMNS = (
     ("TTFT att", "ttft_attainment", "{:.3f}"),
-    ("TBT att", "tbt_attainment", "{:.3f}"),
-    ("goodput", "goodput_share", "{:.3f}"),
+    ("TBT att+stall", "tbt_attainment", "{:.3f}"),
+    ("TBT p99 att", "tbt_p99_attainment", "{:.3f}"),
+    ("worst gap p99 ms", "worst_gap_p99_ms", "{:.0f}"),
+    ("stall>1s", "stalled_1s_share", "{:.3f}"),
+    ("goodput+stall", "goodput_share", "{:.3f}"),
+    ("goodput p99", "goodput_p99_share", "{:.3f}"),
     ("goodput/s", "goodput_rps", "{:.1f}"),
     ("TTFT p50/p90/p99 ms", ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms"), "{:.0f}"),
     ("TBT p50/p90/p99 ms", ("tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms"), "{:.0f}"),
@@ -24,6 +29,11 @@ COLUMNS = (
     ("rotations", "rotations", "{:.0f}"),
     ("recomputes", "recomputes", "{:.0f}"),
 )
+CAPTION = (
+    "+stall: TBT met with the p99 gap within the TBT SLO and the worst gap within the stall budget; "
+    "p99: the p99 gap alone; worst gap p99: over the streams; stall>1s: share of streams that stopped over 1 s once"
+)
+DEFAULT_RATES = "35,40,45,50,55,60"
 
 
 def add_simulate_flags(p: argparse.ArgumentParser) -> None:
@@ -69,11 +79,37 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
         help="rotary once per value (alpha, transfer_budget_blocks, duplex, ...)",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--rates", default="35,40,45,50,55,60", help="requests per second, comma-separated")
-    w.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point")
+    w.add_argument(
+        "--rates",
+        default=None,
+        help=f"requests per second, comma-separated (default {DEFAULT_RATES}; with a CSV --trace: the "
+        "trace's own mean rate, or each rate the trace's arrivals are compressed to)",
+    )
+    w.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point (not with a CSV trace)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 is Poisson")
     w.add_argument(
-        "--trace", type=Path, default=None, help='lengths from JSONL {"prompt","generated"} or ShareGPT JSON'
+        "--trace",
+        type=Path,
+        default=None,
+        help='lengths from JSONL {"prompt","generated"} or ShareGPT JSON (Poisson arrivals); or an Azure LLM '
+        "inference trace (CSV TIMESTAMP,ContextTokens,GeneratedTokens, .csv or .csv.gz) replayed with its "
+        "own arrivals",
+    )
+    w.add_argument("--trace-speedup", type=float, default=1.0, help="CSV trace: arrivals compressed by this factor")
+    w.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="CSV trace: prompt and output lengths times this, clamped to [1, --max-prompt / --max-output]",
+    )
+    w.add_argument(
+        "--trace-start", type=float, default=0.0, help="CSV trace: window start, trace seconds after its first row"
+    )
+    w.add_argument(
+        "--trace-duration",
+        type=float,
+        default=None,
+        help="CSV trace: window length in trace seconds (default: to the end)",
     )
     w.add_argument("--prompt-median", type=float, default=150.0)
     w.add_argument("--output-median", type=float, default=200.0)
@@ -130,9 +166,13 @@ def sim_config(args: argparse.Namespace) -> Any:
 
 
 def workload_spec(args: argparse.Namespace) -> Any:
+    from superinfer.bench.workload import is_arrival_trace
     from superinfer.engine.slo import SLO
     from superinfer.sim.workload_spec import WorkloadSpec
 
+    replay = (args.trace_speedup, args.length_scale, args.trace_start, args.trace_duration)
+    if replay != (1.0, 1.0, 0.0, None) and not (args.trace and is_arrival_trace(args.trace)):
+        raise ValueError("--trace-speedup, --length-scale, --trace-start and --trace-duration replay a CSV --trace")
     return WorkloadSpec(
         duration_s=args.duration,
         seed=args.seed,
@@ -143,24 +183,65 @@ def workload_spec(args: argparse.Namespace) -> Any:
         max_output=args.max_output,
         burstiness=args.burstiness,
         trace=args.trace,
+        trace_speedup=args.trace_speedup,
+        length_scale=args.length_scale,
+        trace_start_s=args.trace_start,
+        trace_duration_s=args.trace_duration,
+    )
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--rates takes positive requests per second, comma-separated, got {text!r}")
+    return rates
+
+
+def point_rates(args: argparse.Namespace, workload: Any) -> list[float]:
+    """--rates; with an arrival trace and no --rates, the trace's own mean rate at its speed-up."""
+    if args.rates is None and workload.replays_arrivals:
+        from superinfer.sim.workload_spec import trace_rate
+
+        return [trace_rate(workload)]
+    return parse_rates(args.rates or DEFAULT_RATES)
+
+
+def workload_line(args: argparse.Namespace, workload: Any) -> str:
+    """What each point replays: the Poisson duration, or the trace's window, speed-up and size."""
+    if not workload.replays_arrivals:
+        return f"{args.duration:g} s per point"
+    from superinfer.sim.workload_spec import replayed, trace_rate
+
+    items = replayed(workload)
+    end = "end" if args.trace_duration is None else f"{args.trace_start + args.trace_duration:g} s"
+    return (
+        f"trace {args.trace.name} [{args.trace_start:g} s, {end}): {len(items)} requests at "
+        f"{trace_rate(workload):.2f} req/s (speed-up {args.trace_speedup:g}, lengths x{args.length_scale:g})"
     )
 
 
 def _cell(report: dict[str, float], key: str | tuple[str, ...], fmt: str) -> str:
     keys = (key,) if isinstance(key, str) else key
-    return "/".join(fmt.format(report[k]) for k in keys)
+    return "/".join(fmt.format(report.get(k, math.nan)) for k in keys)
+
+
+def rate_cell(report: dict[str, float]) -> str:
+    """The point's rate; a replayed trace's with its speed-up over the trace's own time."""
+    if "trace_speedup" not in report:
+        return f"{report['rate']:g}"
+    return f"{report['rate']:.3g} (x{report['trace_speedup']:.3g})"
 
 
 def points_table(points: dict[str, list[dict[str, float]]], title: str) -> Any:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title, caption=CAPTION)
     for name in ("policy", "rate", *(c[0] for c in COLUMNS)):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for label, reports in points.items():
         for r in reports:
-            table.add_row(escape(label), f"{r['rate']:g}", *(_cell(r, key, fmt) for _, key, fmt in COLUMNS))
+            table.add_row(escape(label), rate_cell(r), *(_cell(r, key, fmt) for _, key, fmt in COLUMNS))
     return table
 
 
@@ -173,17 +254,17 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=200)  # piped or logged: the table keeps its columns
+        console = Console(width=240)  # piped or logged: the table keeps its columns
     base, workload = sim_config(args), workload_spec(args)
     runs = variants([p.strip() for p in args.policies.split(",") if p.strip()], args.vary)
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    rates = point_rates(args, workload)
     m, hw = base.model_spec(), base.profile()
     gpu_blocks = base.num_gpu_blocks_sized()
     cost = f"calibration {args.calibration}" if args.calibration else "roofline"
     header = (
         f"{m.name} on {hw.description}: {gpu_blocks} GPU KV blocks "
         f"({gpu_blocks * base.block_bytes() / 2**30:.1f} GiB), "
-        f"{cost}, {args.duration:g} s per point, SLO {args.ttft_slo_ms:g} ms / {args.tbt_slo_ms:g} ms"
+        f"{cost}, {workload_line(args, workload)}, SLO {args.ttft_slo_ms:g} ms / {args.tbt_slo_ms:g} ms"
     )
     console.print(header)
     out: dict[str, Any] = {

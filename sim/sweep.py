@@ -11,7 +11,7 @@ from typing import Any
 from superinfer.sim.config import SimConfig
 from superinfer.sim.report import point_report
 from superinfer.sim.simulator import simulate
-from superinfer.sim.workload_spec import WorkloadSpec, make_workload
+from superinfer.sim.workload_spec import WorkloadSpec, make_workload, trace_speedup
 
 # --vary keys: where each one goes (RotaryParams fields, SimConfig fields, or both).
 ROTARY_KNOBS = ("alpha", "beta_f", "beta_b", "min_residency_s", "tbt_headroom")
@@ -70,6 +70,8 @@ def run_point(config: SimConfig, workload: WorkloadSpec, rate: float) -> tuple[d
     result = simulate(config, make_workload(workload, rate), seed=workload.seed)
     report = point_report(result)
     report["rate"] = rate
+    if workload.replays_arrivals:
+        report["trace_speedup"] = trace_speedup(workload, rate)
     return report, [t.ttft * 1000.0 for t in result.timings if t.ttft is not None]
 
 
