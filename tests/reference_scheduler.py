@@ -174,6 +174,7 @@ class ReferenceScheduler:
             step.budget = decision.token_budget
         self.counters.guard_held_steps += decision.held > 0
         self.counters.guard_overdue_steps += decision.held > 0 and decision.guard is not None and decision.guard.overdue
+        self.counters.stall_held_steps += decision.held > 0 and decision.stall_hold
         for req in decision.rotate_out:
             if not self._rotate_out(req, step, "policy"):
                 break  # the CPU tier or the transfer budget is full: the rest keep running

@@ -8,6 +8,9 @@ CPU tier and in what order non-running requests are admitted. The scheduler exec
   CPU memory so requests close to violating an SLO get GPU memory first. SLO-aware admission
   (`tbt_guard`) keeps that within what the measured step time allows: new requests wait rather
   than push streaming ones past their TBT SLO, and residency on the GPU is as long as it may be.
+  Stall budgets come first: a started stream off the GPU that is due to come back
+  (`stall_due_at`) goes before anything else, and no new request starts while one is
+  (`stall_hold`): queueing time is spent before stalls.
 - `watermark`: the reference code's behaviour, as an ablation: oldest-waiting-first admission,
   and the oldest running decodes rotated out whenever free blocks fall under a watermark.
 """
@@ -38,7 +41,8 @@ class Decision:
     admit: list[Request] = field(default_factory=list)  # waiting/rotary requests, in admission order
     strict_order: bool = True  # stop at the first that does not fit (FCFS), or skip it
     token_budget: int | None = None  # a tighter token budget for this step than the configured one
-    held: int = 0  # new requests the TBT guard kept out of this step's admission (TBTGuard.new_requests)
+    held: int = 0  # new requests kept out of this step's admission (TBTGuard.new_requests, stall_hold)
+    stall_hold: bool = False  # they were all held for the started streams off the GPU (stall_hold)
     guard: TBTGuard | None = None  # the TBT guard's view this step, when the policy has one
     # Admitted after `admit` into what is left, best first by the policy's `rank`, each skipped if
     # it does not fit (never in strict order): the scheduler ranks only those that may fit.
@@ -113,6 +117,17 @@ def virtual_lag_time(req: Request, now: float, p: RotaryParams) -> float:
     if req.t_last_token is None:
         return max(0.0, now - req.arrival_time - p.beta_f * req.slo.ttft_ms / 1000.0)
     return p.alpha * max(0.0, now - req.t_last_token - p.beta_b * req.slo.tbt_ms / 1000.0)
+
+
+# A started stream off the GPU is due once it has waited this share of its stall budget: from then
+# on it comes back before any request that has not started, and no new request starts. The rest of
+# the budget is for the copies and the step that bring it back, and for jitter.
+STALL_DUE_SHARE = 0.5
+
+
+def stall_due_at(t_last: float, stall_budget_ms: float) -> float:
+    """When a started stream whose last token came at `t_last` is due to come back."""
+    return t_last + STALL_DUE_SHARE * stall_budget_ms / 1000.0
 
 
 MIN_PREFILL_CHUNK = 32  # tokens a capped step still gives prefills, so they always progress
@@ -264,6 +279,66 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     return TBTGuard(allowed, budget, residency, overdue, d, fit, turn_end - now)
 
 
+def _due(r: Request, now: float) -> bool:
+    t_last = r._t_last_token
+    return t_last is not None and now >= stall_due_at(t_last, r.slo.stall_budget_ms)
+
+
+def _due_in_columns(cols: RankingColumns, now: float) -> bool:
+    slots = np.flatnonzero(cols.np_active)  # (NaN, no token yet: not due)
+    return bool(np.any(now >= cols.np_t_last[slots] + STALL_DUE_SHARE * cols.np_stall_ms[slots] / 1000.0))
+
+
+def _started_off_gpu(sched: Scheduler) -> bool:
+    """Some started stream is off the GPU: rotated out, or waiting again after a recompute."""
+    if sched.rotary:
+        return True
+    if len(sched.waiting) < sched.rows_per_vector:
+        return any(r._t_last_token is not None for r in sched.waiting)
+    cols = sched.waiting_columns
+    return not np.isnan(cols.np_t_last[np.flatnonzero(cols.np_active)]).all()
+
+
+def _started_stream_due(sched: Scheduler, now: float) -> bool:
+    """Some started stream off the GPU is due to come back (stall_due_at)."""
+    few = sched.rows_per_vector
+    if len(sched.rotary_on_time) < few:
+        if any(_due(r, now) for r in sched.rotary_on_time):
+            return True
+    elif _due_in_columns(sched.rotary_columns, now):
+        return True
+    if any(_due(r, now) for r in sched.rotary_lost):
+        return True
+    if len(sched.waiting) < few:
+        return any(_due(r, now) for r in sched.waiting)
+    return _due_in_columns(sched.waiting_columns, now)
+
+
+def _ttft_lost_waiting(sched: Scheduler, now: float) -> bool:
+    """Some new request in the queue has already lost its TTFT SLO."""
+    if len(sched.waiting) < sched.rows_per_vector:
+        return any(r._t_last_token is None and now > _ttft_deadline(r) for r in sched.waiting)
+    cols = sched.waiting_columns
+    slots = np.flatnonzero(cols.np_active)
+    deadline = cols.np_arrival[slots] + cols.np_ttft_ms[slots] / 1000.0
+    return bool(np.any(np.isnan(cols.np_t_last[slots]) & (now > deadline)))
+
+
+def stall_hold(sched: Scheduler, now: float) -> bool:
+    """Whether no new request may start this step, for the sake of the started streams off the
+    GPU (rotated out, or waiting again after a recompute): while one is due to come back
+    (stall_due_at), and, once the load has outrun what rotation can save (a new request in the
+    queue has lost its TTFT SLO already), while any is off the GPU at all. The GPU memory that
+    frees then goes to the streams users already watch, and new requests spend their TTFT slack,
+    where nobody sees it. Measured on `superinfer simulate` at 60 req/s (8 GiB KV, Llama-3-8B):
+    holding them only while one is due rotated twice a request and left 20% of the copies
+    unhidden on the H100 profile (0.88x fcfs's tokens/s); holding them whenever one is off the
+    GPU lost the head-of-line burst (`tests/test_slo_scenario.py`: TTFT 37% against 100%)."""
+    if not _started_off_gpu(sched):
+        return False
+    return _ttft_lost_waiting(sched, now) or _started_stream_due(sched, now)
+
+
 # Each of these reads the running batch's columns: one row at a time below `rows_per_vector` rows
 # (numpy's cost per call exceeds the loop's there), in vector operations from there on.
 
@@ -313,84 +388,125 @@ def _running_worst_first(running: RunningBatch, now: float, residency_s: float, 
     return running.requests[slots[order[::-1]]].tolist()
 
 
-def _rank(now: float, p: RotaryParams, r: Request) -> tuple[int, bool, float]:
-    """A non-running request's ranking key, (-priority, r.tbt_missed, -VLT), inlined: they are
-    many (and, not running, its counters are its own fields: no property to go through)."""
+def _rank(now: float, p: RotaryParams, r: Request) -> tuple[bool, int, bool, float, float]:
+    """A non-running request's ranking key, inlined: they are many (and, not running, its
+    counters are its own fields: no property to go through). A started stream due to come back
+    (stall_due_at) first, by when its stall budget runs out, then arrival; then (-priority, SLO
+    lost (its TTFT if it has not started, else its TBT), -VLT)."""
     t_last = r._t_last_token
     if t_last is None:
         vlt = max(0.0, now - r.arrival_time - p.beta_f * r.slo.ttft_ms / 1000.0)
-    else:
-        vlt = p.alpha * max(0.0, now - t_last - p.beta_b * r.slo.tbt_ms / 1000.0)
-    return -r.priority, r._max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt
+        return True, -r.priority, now > _ttft_deadline(r), -vlt, 0.0
+    stall_ms = r.slo.stall_budget_ms
+    if now >= stall_due_at(t_last, stall_ms):
+        return False, 0, False, t_last + stall_ms / 1000.0, r.arrival_time
+    vlt = p.alpha * max(0.0, now - t_last - p.beta_b * r.slo.tbt_ms / 1000.0)
+    return True, -r.priority, r._max_gap_s * 1000.0 > r.slo.tbt_ms, -vlt, 0.0
 
 
-def _unheld_waiting(sched: Scheduler, guard: TBTGuard | None) -> tuple[list[Request], np.ndarray | None, int]:
+def _lags(key: tuple[bool, int, bool, float, float]) -> bool:
+    """A `_rank` key of a request that may displace a running one: due, or lagging (VLT > 0)
+    with its SLO not lost (its TTFT if it has not started, else its TBT)."""
+    not_due, _, missed, x, _ = key
+    return not not_due or (not missed and x < 0)
+
+
+def _ttft_deadline(r: Request) -> float:
+    return r.arrival_time + r.slo.ttft_ms / 1000.0
+
+
+def _ttft_slack(now: float, r: Request) -> tuple[bool, float]:
+    """Least TTFT slack first, but those whose TTFT is lost already last."""
+    deadline = _ttft_deadline(r)
+    return deadline < now, deadline
+
+
+def _unheld_waiting(sched: Scheduler, allowed: int | None, now: float) -> tuple[list[Request], np.ndarray | None, int]:
     """The waiting requests that may start this step, in queue order: all but the new ones past
-    the TBT guard's `new_requests` (they wait; their VLT keeps growing). Also their slots in the
-    waiting columns when they are many (None: few, looked at one by one), and how many are held."""
-    may_hold = guard is not None and guard.new_requests < len(sched.waiting)
+    the `allowed` (None: all) with the least TTFT slack (they wait; their VLT keeps growing).
+    Also their slots in the waiting columns when they are many (None: few, looked at one by
+    one), and how many are held."""
+    may_hold = allowed is not None and allowed < len(sched.waiting)
     if len(sched.waiting) < sched.rows_per_vector:
         waiting = list(sched.waiting)
         if not may_hold:
             return waiting, None, 0
         new = [r for r in waiting if r.t_first_token is None]  # in queue order
-        held = {id(r) for r in new[guard.new_requests :]}
+        held = {id(r) for r in sorted(new, key=partial(_ttft_slack, now))[allowed:]}
         return ([r for r in waiting if id(r) not in held] if held else waiting), None, len(held)
     cols = sched.waiting_columns
     slots = cols.in_queue_order()
     num_held = 0
     if may_hold:
-        new = np.isnan(cols.np_t_last[slots])
-        held = new & (np.cumsum(new) > guard.new_requests)
-        num_held = int(np.count_nonzero(held))
-        if num_held:
+        new = np.flatnonzero(np.isnan(cols.np_t_last[slots]))
+        if len(new) > allowed:
+            new_slots = slots[new]
+            deadline = cols.np_arrival[new_slots] + cols.np_ttft_ms[new_slots] / 1000.0
+            held = np.zeros(len(slots), dtype=bool)
+            held[new[np.lexsort((deadline, deadline < now))[allowed:]]] = True  # as _ttft_slack
+            num_held = len(new) - allowed
             slots = slots[~held]
     return cols.requests[slots].tolist(), slots, num_held
 
 
 def _keys_by_row(requests: Iterable[Request], now: float, p: RotaryParams) -> tuple[np.ndarray, ...]:
-    """Whether each request lags (VLT > 0, TBT not lost), and its -priority and -VLT (`_rank`)."""
+    """Whether each request lags (`_lags`), and its `_rank` key but the SLO-lost flag, in columns."""
     keys = [_rank(now, p, r) for r in requests]
-    lags = np.array([not missed and neg_vlt < 0 for _, missed, neg_vlt in keys], dtype=bool)
-    return lags, np.array([k[0] for k in keys], dtype=np.int64), np.array([k[2] for k in keys], dtype=np.float64)
+    lags = np.array([_lags(k) for k in keys], dtype=bool)
+    not_due = np.array([k[0] for k in keys], dtype=bool)
+    neg_priority = np.array([k[1] for k in keys], dtype=np.int64)
+    return lags, not_due, neg_priority, np.array([k[3] for k in keys], dtype=float), np.array([k[4] for k in keys])
 
 
 def _keys_in_columns(cols: RankingColumns, slots: np.ndarray, now: float, p: RotaryParams) -> tuple[np.ndarray, ...]:
     """`_keys_by_row` of the requests in these slots, as `_rank` computes them."""
     tbt, t_last = cols.np_tbt_ms[slots], cols.np_t_last[slots]
+    stall_s = cols.np_stall_ms[slots] / 1000.0
+    due = now >= t_last + STALL_DUE_SHARE * stall_s  # (False without a token: NaN)
     vlt = np.where(
         np.isnan(t_last),  # no token yet: its TTFT lag, else its TBT lag
         np.maximum(0.0, now - cols.np_arrival[slots] - p.beta_f * cols.np_ttft_ms[slots] / 1000.0),
         p.alpha * np.maximum(0.0, now - t_last - p.beta_b * tbt / 1000.0),
     )
-    lags = (vlt > 0.0) & ~(cols.np_max_gap[slots] * 1000.0 > tbt)
-    return lags, -cols.np_priority[slots], -vlt
+    lost = np.where(
+        np.isnan(t_last),
+        now > cols.np_arrival[slots] + cols.np_ttft_ms[slots] / 1000.0,
+        cols.np_max_gap[slots] * 1000.0 > tbt,
+    )
+    lags = due | ((vlt > 0.0) & ~lost)
+    deadline = np.where(due, t_last + stall_s, -vlt)
+    return lags, ~due, np.where(due, 0, -cols.np_priority[slots]), deadline, np.where(due, cols.np_arrival[slots], 0.0)
 
 
 def _lagging_ranked(
     sched: Scheduler, p: RotaryParams, waiting: list[Request], waiting_slots: np.ndarray | None, now: float
 ) -> tuple[list[Request], np.ndarray, np.ndarray, list[Request]]:
-    """The lagging ones of `waiting` and of the on-time rotary requests (VLT > 0, TBT not lost)
-    as `rank` orders them, with each one's admission blocks and copies bound where the rotary
-    columns know them (-1: to be asked), and the others (patient), in list order (the waiting
-    first). Many (under contention, hundreds each step) are ranked in their columns; few, one at
-    a time."""
+    """The lagging ones (`_lags`) of `waiting` and of the rotary requests as `rank` orders them,
+    with each one's admission blocks and copies bound where the rotary columns know them (-1: to
+    be asked), and the others (patient), in list order (the waiting first, the TBT-lost rotary
+    ones last). Many (under contention, hundreds each step) are ranked in their columns; few, one
+    at a time. Of the TBT-lost rotary ones only those due (stall_due_at) lag: they are looked at
+    one by one."""
     on_time = sched.rotary_on_time
+    due_lost: list[Request] = []
+    lost: list[Request] = []
+    for r in sched.rotary_lost:
+        (due_lost if now >= stall_due_at(r._t_last_token, r.slo.stall_budget_ms) else lost).append(r)
     many_rotary = len(on_time) >= sched.rows_per_vector
     if waiting_slots is None and not many_rotary:
         lagging, patient = [], []  # (the lagging with their ranking keys, computed once)
-        for r in [*waiting, *on_time]:
-            key = _rank(now, p, r)  # (-priority, tbt_missed, -VLT)
-            if key[1] or key[2] >= 0:
-                patient.append(r)
-            else:
+        for r in [*waiting, *on_time, *due_lost]:
+            key = _rank(now, p, r)
+            if _lags(key):
                 lagging.append((key, r))
+            else:
+                patient.append(r)
         ranked = [r for _, r in sorted(lagging, key=itemgetter(0))]
         # A rotary one's blocks are known while none of its content is in use (Scheduler._swap_in_blocks).
         known = {} if sched.kv.pool.watched_in_use else sched._swap_in_blocks
         blocks = [known.get(r, 0) or -1 for r in ranked]
         bounds = [sched.admission_copies_bound(r) if n > 0 else -1 for r, n in zip(ranked, blocks, strict=True)]
-        return ranked, np.array(blocks, dtype=np.int64), np.array(bounds, dtype=np.int64), patient
+        return ranked, np.array(blocks, dtype=np.int64), np.array(bounds, dtype=np.int64), patient + lost
     if waiting_slots is None:
         waiting_keys = _keys_by_row(waiting, now, p)
         waiting_requests = np.empty(len(waiting), dtype=object)
@@ -412,12 +528,20 @@ def _lagging_ranked(
         rotary[:] = on_time
         rotary_keys = _keys_by_row(on_time, now, p)
         rotary_blocks = rotary_bounds = np.full(len(on_time), -1, dtype=np.int64)
-    everyone = np.concatenate((waiting_requests, rotary))
-    lags, neg_priority, neg_vlt = (np.concatenate(pair) for pair in zip(waiting_keys, rotary_keys, strict=True))
+    due = np.empty(len(due_lost), dtype=object)
+    due[:] = due_lost
+    due_keys = _keys_by_row(due_lost, now, p)
+    everyone = np.concatenate((waiting_requests, rotary, due))
+    lags, not_due, neg_priority, x, arrival = (
+        np.concatenate(k) for k in zip(waiting_keys, rotary_keys, due_keys, strict=True)
+    )
     lagging = np.flatnonzero(lags)
-    order = lagging[np.lexsort((neg_vlt[lagging], neg_priority[lagging]))]  # stable: ties in list order
-    blocks, bounds = np.concatenate((unknown, rotary_blocks)), np.concatenate((unknown, rotary_bounds))
-    return everyone[order].tolist(), blocks[order], bounds[order], everyone[~lags].tolist()
+    keys = (arrival[lagging], x[lagging], neg_priority[lagging], not_due[lagging])
+    order = lagging[np.lexsort(keys)]  # stable: ties in list order
+    no_figures = np.full(len(due_lost), -1, dtype=np.int64)
+    blocks = np.concatenate((unknown, rotary_blocks, no_figures))
+    bounds = np.concatenate((unknown, rotary_bounds, no_figures))
+    return everyone[order].tolist(), blocks[order], bounds[order], everyone[~lags].tolist() + lost
 
 
 def _admitted_at_once(blocks: np.ndarray, bounds: np.ndarray, left: int, xfer_left: int) -> int:
@@ -446,12 +570,16 @@ class RotaryPolicy:
         if not sched.waiting and not sched.rotary and not _prefilling(sched.batch, by_row):
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
-        waiting, waiting_slots, held = _unheld_waiting(sched, guard)
+        hold = p.slo_admission and stall_hold(sched, now)
+        waiting, waiting_slots, held = _unheld_waiting(
+            sched, 0 if hold else guard.new_requests if guard is not None else None, now
+        )
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
+        held_for_streams = hold and held > 0
         if not others:  # nothing to admit: no contention
-            return Decision(token_budget=budget, held=held, guard=guard)
+            return Decision(token_budget=budget, held=held, guard=guard, stall_hold=held_for_streams)
         free = kv.num_free_blocks - _growth_blocks(sched, by_row)
         taken: dict[str, int] = {}
 
@@ -466,14 +594,15 @@ class RotaryPolicy:
             if total > free:
                 break
         else:  # no contention: plain FCFS, rotate nothing
-            return Decision(admit=by_arrival(others), token_budget=budget, held=held, guard=guard)
+            return Decision(
+                admit=by_arrival(others), token_budget=budget, held=held, guard=guard, stall_hold=held_for_streams
+            )
 
         # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
         # displaces a running one (a lost request bounced in and out costs two copies per token).
         # Under overload most rotary requests are: the scheduler ranks only those that fit. (In
         # `others` order but for the lost rotary ones last: they never tie with one on time.)
         ranked, known_blocks, known_bounds, patient = _lagging_ranked(sched, p, waiting, waiting_slots, now)
-        patient += sched.rotary_lost
         xfer = p.transfer_budget_blocks
         left = free + xfer
         # Rule 6 at selection: what cannot move this step is not chosen. A request's copies are at
@@ -535,6 +664,7 @@ class RotaryPolicy:
             patient=patient,
             held=held,
             guard=guard,
+            stall_hold=held_for_streams,
         )
 
     @staticmethod

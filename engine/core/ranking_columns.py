@@ -32,6 +32,7 @@ _COLUMNS = {
     "priority": "q",
     "ttft_ms": "d",  # its SLOs
     "tbt_ms": "d",
+    "stall_ms": "d",  # its stall budget (SLO.stall_budget_ms)
     "t_last": "d",  # its last token's time (NaN: none yet)
     "max_gap": "d",  # its largest gap between tokens
     "num_tokens": "q",  # len(token_ids)
@@ -80,6 +81,7 @@ class RankingColumns:
         self.next_seq += 1
         self.priority[slot] = req.priority
         self.ttft_ms[slot], self.tbt_ms[slot] = req.slo.ttft_ms, req.slo.tbt_ms
+        self.stall_ms[slot] = req.slo.stall_budget_ms
         self.blocks[slot], self.copies[slot] = blocks, copies
         self.active[slot] = True
         self.requests[slot] = req

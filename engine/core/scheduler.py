@@ -105,6 +105,7 @@ class SchedulerCounters:
     # admission, and steps that spent a token budget it had cut below the configured one.
     guard_held_steps: int = 0
     guard_overdue_steps: int = 0  # (of those, steps it held them all as a request had waited its turn)
+    stall_held_steps: int = 0  # (of those, steps it held them all for the started streams off the GPU)
     guard_capped_steps: int = 0
 
     @property
@@ -334,6 +335,7 @@ class Scheduler:
         return {
             "guard_held_step_share": self.counters.guard_held_steps / steps,
             "guard_overdue_step_share": self.counters.guard_overdue_steps / steps,
+            "stall_held_step_share": self.counters.stall_held_steps / steps,
             "guard_capped_step_share": self.counters.guard_capped_steps / steps,
             "step_model_ms": base * 1000.0,
             "step_model_ms_per_token": per_token * 1000.0,
@@ -385,6 +387,7 @@ class Scheduler:
             self.counters.guard_held_steps += 1
             # (all of them, as a streaming request had waited its whole turn)
             self.counters.guard_overdue_steps += decision.guard is not None and decision.guard.overdue
+            self.counters.stall_held_steps += decision.stall_hold
         for req in decision.rotate_out:  # (out of the running order at once: a wave rotates out hundreds)
             if not self._rotate_out(req, step, "policy", reorder=False):
                 break  # the CPU tier or the transfer budget is full: the rest keep running
