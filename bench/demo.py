@@ -19,7 +19,7 @@ from superinfer.engine.slo import SLO
 
 ROWS = (
     ("TTFT attainment", "ttft_attainment", "{:.0%}"),
-    ("TBT attainment (p99 gap)", "tbt_attainment", "{:.0%}"),
+    ("TBT attainment (p99 gap, stalls)", "tbt_attainment", "{:.0%}"),
     ("goodput (both SLOs)", "goodput_share", "{:.0%}"),
     ("goodput (req/s)", "goodput_rps", "{:.2f}"),
     ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"),
@@ -27,6 +27,9 @@ ROWS = (
     ("TBT p50 (ms)", "tbt_p50_ms", "{:.1f}"),
     ("TBT p99 (ms)", "tbt_p99_ms", "{:.1f}"),
     ("TPOT p99 (ms)", "tpot_p99_ms", "{:.1f}"),
+    ("worst gap p50 (ms)", "worst_gap_p50_ms", "{:.0f}"),
+    ("worst gap max (ms)", "worst_gap_max_ms", "{:.0f}"),
+    ("streams stalled > 1 s", "stalled_1s_share", "{:.0%}"),
     ("throughput (tok/s)", "throughput_tok_s", "{:.0f}"),
     ("rotations", "rotations", "{:.0f}"),
     ("rotations per request", "rotations_per_request", "{:.1f}"),

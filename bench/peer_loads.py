@@ -133,6 +133,10 @@ LOADS = ("batch1", "saturation", "hol", "poisson", "trace")
 SEQUENTIAL = ("batch1",)  # sent one at a time, each after the previous one finished
 
 
+# Each stream's worst gap, per class (bench.goodput.summarize): the stall a user sees.
+STALL_KEYS = ("worst_gap_p50_ms", "worst_gap_p99_ms", "worst_gap_max_ms", "stalled_1s_share", "stalled_budget_share")
+
+
 def ms_per_token(t: RequestTiming) -> float:
     """Milliseconds from sending the request to its last token, per output token: unlike TPOT, it
     does not fall to zero when a server sends its tokens in a few merged chunks."""
@@ -172,6 +176,8 @@ def figures(
             "short_ttft_p99_ms": short["ttft_p99_ms"],
             "tbt_attainment": every["tbt_attainment"],
         }
+        long = summarize(of_label(items, timings, "long"))
+        out |= {f"long_{key}": long[key] for key in STALL_KEYS}
         if rotations is not None:
             out["rotations"] = rotations
     elif load == "poisson":
@@ -179,11 +185,15 @@ def figures(
             part = summarize(of_label(items, timings, c.label))
             out[f"{c.label}_ttft_attainment"] = part["ttft_attainment"]
             out[f"{c.label}_goodput_share"] = part["goodput_share"]
+            for key in STALL_KEYS:
+                out[f"{c.label}_{key}"] = part[key]
         out |= {
             "requests": every["requests"],
             "goodput_rps": every["goodput_rps"],
             "goodput_share": every["goodput_share"],
             "tbt_attainment": every["tbt_attainment"],
+            "tbt_p99_attainment": every["tbt_p99_attainment"],
+            "goodput_p99_share": every["goodput_p99_share"],
             "tbt_mean_attainment": every["tbt_mean_attainment"],
         }
         if rotations is not None:

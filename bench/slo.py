@@ -86,7 +86,7 @@ def write_step_log(path: Path, steps: list[StepLogLine], timings: list[RequestTi
 def run_point(
     args: argparse.Namespace, policy: str, rate: float, step_log: Path | None = None, **variant: object
 ) -> dict[str, float]:
-    slo = SLO(args.ttft_slo_ms, args.tbt_slo_ms)
+    slo = SLO(args.ttft_slo_ms, args.tbt_slo_ms, args.stall_slo_ms)
     cpu = args.device == "cpu"
     virtual = cpu and not args.wall_clock
     config = EngineConfig(
@@ -163,7 +163,8 @@ def run_point(
     print(
         f"{label:9s} rate {rate:6.1f}: TTFT att {report['ttft_attainment']:.2f}  TBT att "
         f"{report['tbt_attainment']:.2f}  goodput {report['goodput_share']:.2f} ({report['goodput_rps']:.2f} req/s)  "
-        f"TTFT p99 {report['ttft_p99_ms']:.0f} ms  tput {report['throughput_tok_s']:.0f} tok/s  "
+        f"TTFT p99 {report['ttft_p99_ms']:.0f} ms  worst gap p99 {report['worst_gap_p99_ms']:.0f} ms, "
+        f"stalled >1 s {report['stalled_1s_share']:.0%}  tput {report['throughput_tok_s']:.0f} tok/s  "
         f"rotations {counters.rotations} ({report['rotations_per_request']:.1f}/request)  "
         f"copies hidden {report.get('copy_hidden_ratio', math.nan):.2f}  "
         f"graph steps {report['graph_step_share']:.0%} (piecewise {report['piecewise_step_share']:.0%}) "
@@ -196,6 +197,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ttft-slo-ms", type=float, default=5000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    parser.add_argument(
+        "--stall-slo-ms",
+        type=float,
+        default=None,
+        help="stall budget: the longest gap a stream may have and meet its TBT SLO (default 5x --tbt-slo-ms)",
+    )
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--cpu-kv-gib", type=float, default=None)

@@ -117,6 +117,12 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-output", type=int, default=8192)
     w.add_argument("--ttft-slo-ms", type=float, default=5000.0)
     w.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    w.add_argument(
+        "--stall-slo-ms",
+        type=float,
+        default=None,
+        help="stall budget: the longest gap a stream may have and meet its TBT SLO (default 5x --tbt-slo-ms)",
+    )
     w.add_argument("--seed", type=int, default=0)
     c = p.add_argument_group("capacity")
     c.add_argument(
@@ -176,7 +182,7 @@ def workload_spec(args: argparse.Namespace) -> Any:
     return WorkloadSpec(
         duration_s=args.duration,
         seed=args.seed,
-        slo=SLO(args.ttft_slo_ms, args.tbt_slo_ms),
+        slo=SLO(args.ttft_slo_ms, args.tbt_slo_ms, args.stall_slo_ms),
         prompt_median=args.prompt_median,
         output_median=args.output_median,
         max_prompt=args.max_prompt,

@@ -649,6 +649,10 @@ class RotaryPolicy:
             xfer_left -= copies
         to_free = xfer - left
         rotate_out = []
+        if ranked and not _rank(now, p, ranked[0])[0]:
+            # A stream is due (ranked first): it displaces any that has stayed the floor, even
+            # where the TBT guard would keep everyone on the GPU.
+            residency = min(residency, p.min_residency_s)
         if to_free > 0:
             for r in _running_worst_first(sched.batch, now, residency, by_row):
                 if to_free <= 0:
