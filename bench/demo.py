@@ -79,7 +79,7 @@ def plot(results: dict[str, tuple[dict[str, float], list[RequestTiming]]], slo: 
 
 async def run_demo(config: EngineConfig, policies: list[str], plot_path: Path | None) -> dict[str, dict[str, float]]:
     console = Console()
-    slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
+    slo = config.default_slo
     # Long prompts fill KV memory at once and their decodes hold it for seconds on any machine.
     items = burst_workload(slo, long_output=768, long_prompt_len=(160, 224))
     console.print(

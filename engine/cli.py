@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     bench.add_argument("--ttft-slo-ms", type=float, default=5000.0)
     bench.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    bench.add_argument(
+        "--stall-slo-ms", type=float, default=None, help="stall budget per stream (default 5x --tbt-slo-ms)"
+    )
     bench.add_argument("--prompt-median", type=float, default=150.0, help="median prompt length (tokens)")
     bench.add_argument("--output-median", type=float, default=200.0, help="median output length (tokens)")
     bench.add_argument("--seed", type=int, default=0)

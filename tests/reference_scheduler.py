@@ -184,6 +184,12 @@ class ReferenceScheduler:
             if decision.patient:
                 self._admit_patient(decision.patient, step)
         self.counters.guard_capped_steps += capped and step.budget <= 0
+        for r in [*self.rotary, *(r for r in self.waiting if r.t_first_token is not None)]:
+            t_last = r.t_last_token
+            if t_last is not None and t_last != r.t_overrun_from and (step.now - t_last) * 1000 > r.slo.stall_budget_ms:
+                r.t_overrun_from = r.t_last_token
+                r.stall_overruns += 1
+                self.counters.stall_overruns += 1
         if step.writes_through:
             self._write_through(step)
             self._unwritten.update(step.filled)  # their blocks are final once this step ran

@@ -31,6 +31,7 @@ from superinfer.engine.core.policies import (
     MIN_PREFILL_CHUNK,
     RESIDENCY_SHARE,
     STALL_DUE_SHARE,
+    STALL_URGENT_SHARE,
     Decision,
     FCFSPolicy,
     RotaryParams,
@@ -159,7 +160,9 @@ class ReferenceRotaryPolicy(RotaryPolicy):
                 left -= n
                 xfer_left -= copies
         to_free = p.transfer_budget_blocks - left
-        if any(keys[r.request_id][0] == 0 for r in others):
+        first = ranked[0] if ranked else None  # due ones first, the earliest deadline first
+        urgent_s = STALL_URGENT_SHARE * first.slo.stall_budget_ms / 1000.0 if first is not None else 0.0
+        if first is not None and keys[first.request_id][0] == 0 and now >= first.t_last_token + urgent_s:
             residency = min(residency, p.min_residency_s)
         rotate_out = []
         for r in reversed(ranked):

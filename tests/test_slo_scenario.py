@@ -149,14 +149,14 @@ def test_past_capacity_rotary_keeps_goodput_and_its_guard_and_residency_floor_cu
     fcfs, _ = run_overload("fcfs")
     bare, old = run_overload("rotary", slo_admission=False, rotary_min_residency_ms=0)
     default, new = run_overload("rotary")
-    # Measured on the device timeline (copies cost what the executor's ordering makes them cost):
-    # goodput fcfs 0.29, rotary 0.56 without its TBT guard and residency floor / 0.66 with both;
-    # TTFT attainment 0.36 -> 1.0 at 1.02x fcfs's throughput; rotations 7.2k -> 0.4k (requests
-    # whose TBT is lost no longer bounce in and out, and one brought in stays a quarter second);
-    # TBT attainment 0.66 vs fcfs's 0.76. (The guard alone: 0.65 and 1.8k rotations; the floor
-    # alone: 0.65 and 0.5k.)
-    assert default["goodput_share"] >= fcfs["goodput_share"] + 0.3, (default, fcfs)
-    assert default["ttft_attainment"] >= fcfs["ttft_attainment"] + 0.5
+    # Measured on the device timeline (copies cost what the executor's ordering makes them cost),
+    # goodput judged with stalls: fcfs 0.27 (TTFT 0.36, 11% of streams past their stall budget,
+    # its recomputes), rotary without its TBT guard and residency floor 0.29 (TTFT 1.0, 7.5k
+    # rotations), rotary 0.38 (TTFT 0.72, 2.6% past budget, none over 1 s) at 1.0x fcfs's tokens/s
+    # and 0.7k rotations: started streams come back before new requests start.
+    assert default["goodput_share"] >= fcfs["goodput_share"] + 0.08, (default, fcfs)
+    assert default["ttft_attainment"] >= fcfs["ttft_attainment"] + 0.3
+    assert default["stalled_budget_share"] <= fcfs["stalled_budget_share"]
     assert default["goodput_share"] >= bare["goodput_share"] + 0.05
     assert default["throughput_tok_s"] >= 0.95 * fcfs["throughput_tok_s"]
     assert new.scheduler.counters.rotations <= 0.2 * old.scheduler.counters.rotations

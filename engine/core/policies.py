@@ -130,6 +130,18 @@ def stall_due_at(t_last: float, stall_budget_ms: float) -> float:
     return t_last + STALL_DUE_SHARE * stall_budget_ms / 1000.0
 
 
+# A due stream still waits for free blocks (requests finish all the time) until this share of its
+# budget; from then on it displaces a running one that has stayed the residency floor. Displacing
+# as soon as it is due made each return push another stream out, due in its turn: on `superinfer
+# simulate` at 60 req/s, 8 rotations a request instead of 1, and 0.41 goodput instead of 0.69.
+STALL_URGENT_SHARE = 0.75
+
+
+def _urgent(r: Request, now: float) -> bool:
+    t_last = r._t_last_token
+    return t_last is not None and now >= t_last + STALL_URGENT_SHARE * r.slo.stall_budget_ms / 1000.0
+
+
 MIN_PREFILL_CHUNK = 32  # tokens a capped step still gives prefills, so they always progress
 # A request that leaves waits at most this share of its turn; the rest is for the step that brings
 # it back and for jitter (a full turn lets every small delay break the SLO).
@@ -649,9 +661,9 @@ class RotaryPolicy:
             xfer_left -= copies
         to_free = xfer - left
         rotate_out = []
-        if ranked and not _rank(now, p, ranked[0])[0]:
-            # A stream is due (ranked first): it displaces any that has stayed the floor, even
-            # where the TBT guard would keep everyone on the GPU.
+        if ranked and _urgent(ranked[0], now):
+            # The stream first in line will stall past its budget unless it comes back now: it
+            # displaces any that has stayed the floor, even where the TBT guard keeps everyone.
             residency = min(residency, p.min_residency_s)
         if to_free > 0:
             for r in _running_worst_first(sched.batch, now, residency, by_row):

@@ -133,6 +133,10 @@ class Request:
     num_rotations: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at first admission
     num_preemptions: int = 0
+    # Waits off the GPU past its stall budget (Scheduler.note_stall_overruns), and the time of the
+    # last token before the latest one counted (each wait is counted once).
+    stall_overruns: int = 0
+    t_overrun_from: float = math.nan
     finish_reason: FinishReason | None = None
     t_first_token: float | None = None
     t_run: float | None = None  # last time it entered RUNNING

@@ -21,6 +21,7 @@ that ends by EOS or a stop string wastes one token, dropped when its step comple
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import time
 from collections import deque
@@ -40,6 +41,9 @@ from superinfer.engine.core.request import FinishReason, Request, RequestStatus,
 from superinfer.engine.core.running_batch import ROWS_PER_VECTOR, RunningBatch
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.engine.core.token_timing import TokenTiming
+
+log = logging.getLogger(__name__)
+STALL_LOG_PERIOD_S = 10.0  # at most one log line this often about streams past their stall budget
 
 _arrival = attrgetter("arrival_time")
 # Full blocks are written through to the CPU tier only while less than this share of the GPU pool
@@ -105,6 +109,10 @@ class SchedulerCounters:
     # admission, and steps that spent a token budget it had cut below the configured one.
     guard_held_steps: int = 0
     guard_overdue_steps: int = 0  # (of those, steps it held them all as a request had waited its turn)
+    # Started streams that waited off the GPU past their stall budget (note_stall_overruns): the
+    # rotary policy could not bring them back in time (the pool too full of requests that have not
+    # stayed the residency floor), or a recompute left them to wait their turn in the queue.
+    stall_overruns: int = 0
     stall_held_steps: int = 0  # (of those, steps it held them all for the started streams off the GPU)
     guard_capped_steps: int = 0
 
@@ -271,6 +279,7 @@ class Scheduler:
         self._submitted: dict[int, _Submitted] = {}
         self.step_time = StepTimeModel()
         self._t_last_update = -float("inf")
+        self._t_stall_logged = -math.inf
 
     # --- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -336,6 +345,7 @@ class Scheduler:
             "guard_held_step_share": self.counters.guard_held_steps / steps,
             "guard_overdue_step_share": self.counters.guard_overdue_steps / steps,
             "stall_held_step_share": self.counters.stall_held_steps / steps,
+            "stall_overruns": float(self.counters.stall_overruns),
             "guard_capped_step_share": self.counters.guard_capped_steps / steps,
             "step_model_ms": base * 1000.0,
             "step_model_ms_per_token": per_token * 1000.0,
@@ -399,6 +409,8 @@ class Scheduler:
                 self._admit_patient(decision.patient, step)
         if capped and step.budget <= 0:
             self.counters.guard_capped_steps += 1
+        if self.rotary or (self.waiting and self.waiting[0]._t_last_token is not None):
+            self.note_stall_overruns(step.now)
         if step.writes_through:
             self._write_through(step)
         released, self._released = self._released, []
@@ -423,6 +435,33 @@ class Scheduler:
             step.requests, rows.requests, slots, rows.gens, step.fill_rows, step.now, shape
         )
         return plan
+
+    def note_stall_overruns(self, now: float) -> None:
+        """Count each started stream still off the GPU after this step's admission whose stall
+        budget has run out: once per wait, and say so in the log (at most every STALL_LOG_PERIOD_S).
+        Those waiting again after a recompute are at the front of the queue."""
+        restarted = []
+        for r in self.waiting:
+            if r._t_last_token is None:
+                break
+            restarted.append(r)
+        new = 0
+        for r in (*self.rotary, *restarted):
+            t_last = r._t_last_token
+            if t_last is not None and t_last != r.t_overrun_from and (now - t_last) * 1000.0 > r.slo.stall_budget_ms:
+                r.t_overrun_from = t_last
+                r.stall_overruns += 1
+                new += 1
+        if new:
+            self.counters.stall_overruns += new
+            if now - self._t_stall_logged >= STALL_LOG_PERIOD_S:
+                self._t_stall_logged = now
+                log.warning(
+                    "%d started streams waited off the GPU past their stall budget (%d in all): more "
+                    "started streams than the KV cache can keep streaming",
+                    new,
+                    self.counters.stall_overruns,
+                )
 
     def _decode_columns(self, slots: np.ndarray) -> _DecodeColumns:
         """The decode rows' columns for the plan, gathered from the running batch; or, while the
