@@ -107,17 +107,19 @@ class ReferenceRotaryPolicy(RotaryPolicy):
         ttft_lost = any(
             r.t_first_token is None and now > r.arrival_time + r.slo.ttft_ms / 1000.0 for r in sched.waiting
         )
-        started_off = bool(off_gpu) and (due or ttft_lost)
+        # New requests of the off-GPU streams' top priority or below wait while one is due, or any
+        # is off once a queued request lost its TTFT.
+        hold = max(r.priority for r in off_gpu) if off_gpu and p.slo_admission and (due or ttft_lost) else None
         waiting = list(sched.waiting)
-        held: set[int] = set()
-        allowed = 0 if p.slo_admission and started_off else guard.new_requests if guard is not None else None
-        if allowed is not None:
-            new = [r for r in waiting if r.t_first_token is None]
+        new = [r for r in waiting if r.t_first_token is None]
+        held = {id(r) for r in new if hold is not None and r.priority <= hold}
+        if guard is not None:
             deadline = {id(r): r.arrival_time + r.slo.ttft_ms / 1000.0 for r in new}
-            by_slack = sorted(new, key=lambda r: (deadline[id(r)] < now, deadline[id(r)]))
-            held = {id(r) for r in by_slack[allowed:]}
-            waiting = [r for r in waiting if id(r) not in held]
-        stall_hold = bool(p.slo_admission and started_off and held)
+            unheld = [r for r in new if id(r) not in held]
+            by_slack = sorted(unheld, key=lambda r: (deadline[id(r)] < now, deadline[id(r)]))
+            held |= {id(r) for r in by_slack[guard.new_requests :]}
+        waiting = [r for r in waiting if id(r) not in held]
+        stall_hold = hold is not None and bool(held)
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *by_arrival(sched.rotary)]

@@ -301,14 +301,25 @@ def _due_in_columns(cols: RankingColumns, now: float) -> bool:
     return bool(np.any(now >= cols.np_t_last[slots] + STALL_DUE_SHARE * cols.np_stall_ms[slots] / 1000.0))
 
 
-def _started_off_gpu(sched: Scheduler) -> bool:
-    """Some started stream is off the GPU: rotated out, or waiting again after a recompute."""
-    if sched.rotary:
-        return True
-    if len(sched.waiting) < sched.rows_per_vector:
-        return any(r._t_last_token is not None for r in sched.waiting)
-    cols = sched.waiting_columns
-    return not np.isnan(cols.np_t_last[np.flatnonzero(cols.np_active)]).all()
+def _top_priority_off_gpu(sched: Scheduler) -> int | None:
+    """The highest priority among the started streams off the GPU (rotated out, or waiting again
+    after a recompute); None if there is none."""
+    few = sched.rows_per_vector
+    top = max((r.priority for r in sched.rotary_lost), default=None)
+    if len(sched.rotary_on_time) < few:
+        on_time = max((r.priority for r in sched.rotary_on_time), default=None)
+    else:
+        cols = sched.rotary_columns
+        slots = np.flatnonzero(cols.np_active)
+        on_time = int(cols.np_priority[slots].max()) if len(slots) else None
+    if len(sched.waiting) < few:
+        restarted = max((r.priority for r in sched.waiting if r._t_last_token is not None), default=None)
+    else:
+        cols = sched.waiting_columns
+        slots = np.flatnonzero(cols.np_active)
+        slots = slots[~np.isnan(cols.np_t_last[slots])]
+        restarted = int(cols.np_priority[slots].max()) if len(slots) else None
+    return max((p for p in (top, on_time, restarted) if p is not None), default=None)
 
 
 def _started_stream_due(sched: Scheduler, now: float) -> bool:
@@ -336,19 +347,23 @@ def _ttft_lost_waiting(sched: Scheduler, now: float) -> bool:
     return bool(np.any(np.isnan(cols.np_t_last[slots]) & (now > deadline)))
 
 
-def stall_hold(sched: Scheduler, now: float) -> bool:
-    """Whether no new request may start this step, for the sake of the started streams off the
-    GPU (rotated out, or waiting again after a recompute): while one is due to come back
-    (stall_due_at), and, once the load has outrun what rotation can save (a new request in the
-    queue has lost its TTFT SLO already), while any is off the GPU at all. The GPU memory that
-    frees then goes to the streams users already watch, and new requests spend their TTFT slack,
-    where nobody sees it. Measured on `superinfer simulate` at 60 req/s (8 GiB KV, Llama-3-8B):
-    holding them only while one is due rotated twice a request and left 20% of the copies
-    unhidden on the H100 profile (0.88x fcfs's tokens/s); holding them whenever one is off the
-    GPU lost the head-of-line burst (`tests/test_slo_scenario.py`: TTFT 37% against 100%)."""
-    if not _started_off_gpu(sched):
-        return False
-    return _ttft_lost_waiting(sched, now) or _started_stream_due(sched, now)
+def stall_hold(sched: Scheduler, now: float) -> int | None:
+    """The priority at and below which no new request may start this step, for the sake of the
+    started streams off the GPU (rotated out, or waiting again after a recompute): theirs, while
+    one is due to come back (stall_due_at), and, once the load has outrun what rotation can save
+    (a new request in the queue has lost its TTFT SLO already), while any is off the GPU at all;
+    None: no hold. The GPU memory that frees then goes to the streams users already watch, and
+    new requests of their class or below spend their TTFT slack, where nobody sees it (a class of
+    higher priority still starts: under the two-class overload of `bench.vllm_peer`, holding it
+    too left 16% of the interactive requests within their TTFT). Measured on `superinfer
+    simulate` at 60 req/s (8 GiB KV, Llama-3-8B): holding them only while one is due rotated twice
+    a request and left 20% of the copies unhidden on the H100 profile (0.88x fcfs's tokens/s);
+    holding them whenever one is off the GPU lost the head-of-line burst
+    (`tests/test_slo_scenario.py`: TTFT 37% against 100%). docs/rotasched.md has the table."""
+    top = _top_priority_off_gpu(sched)
+    if top is None or not (_ttft_lost_waiting(sched, now) or _started_stream_due(sched, now)):
+        return None
+    return top
 
 
 # Each of these reads the running batch's columns: one row at a time below `rows_per_vector` rows
@@ -433,30 +448,41 @@ def _ttft_slack(now: float, r: Request) -> tuple[bool, float]:
     return deadline < now, deadline
 
 
-def _unheld_waiting(sched: Scheduler, allowed: int | None, now: float) -> tuple[list[Request], np.ndarray | None, int]:
-    """The waiting requests that may start this step, in queue order: all but the new ones past
-    the `allowed` (None: all) with the least TTFT slack (they wait; their VLT keeps growing).
-    Also their slots in the waiting columns when they are many (None: few, looked at one by
-    one), and how many are held."""
-    may_hold = allowed is not None and allowed < len(sched.waiting)
+def _unheld_waiting(
+    sched: Scheduler, allowed: int | None, hold_priority: int | None, now: float
+) -> tuple[list[Request], np.ndarray | None, int]:
+    """The waiting requests that may start this step, in queue order: all but the new ones of
+    `hold_priority` or below (None: none of those), and of the others those past the `allowed`
+    (None: all) with the least TTFT slack (they wait; their VLT keeps growing). Also their slots
+    in the waiting columns when they are many (None: few, looked at one by one), and how many
+    are held."""
+    may_hold = (allowed is not None and allowed < len(sched.waiting)) or hold_priority is not None
     if len(sched.waiting) < sched.rows_per_vector:
         waiting = list(sched.waiting)
         if not may_hold:
             return waiting, None, 0
         new = [r for r in waiting if r.t_first_token is None]  # in queue order
-        held = {id(r) for r in sorted(new, key=partial(_ttft_slack, now))[allowed:]}
+        held = {id(r) for r in new if hold_priority is not None and r.priority <= hold_priority}
+        if allowed is not None:
+            free = sorted((r for r in new if id(r) not in held), key=partial(_ttft_slack, now))
+            held.update(id(r) for r in free[allowed:])
         return ([r for r in waiting if id(r) not in held] if held else waiting), None, len(held)
     cols = sched.waiting_columns
     slots = cols.in_queue_order()
     num_held = 0
     if may_hold:
         new = np.flatnonzero(np.isnan(cols.np_t_last[slots]))
-        if len(new) > allowed:
+        held = np.zeros(len(slots), dtype=bool)
+        if hold_priority is not None:
+            below = cols.np_priority[slots[new]] <= hold_priority
+            held[new[below]] = True
+            new = new[~below]
+        if allowed is not None and len(new) > allowed:
             new_slots = slots[new]
             deadline = cols.np_arrival[new_slots] + cols.np_ttft_ms[new_slots] / 1000.0
-            held = np.zeros(len(slots), dtype=bool)
             held[new[np.lexsort((deadline, deadline < now))[allowed:]]] = True  # as _ttft_slack
-            num_held = len(new) - allowed
+        num_held = int(np.count_nonzero(held))
+        if num_held:
             slots = slots[~held]
     return cols.requests[slots].tolist(), slots, num_held
 
@@ -582,14 +608,13 @@ class RotaryPolicy:
         if not sched.waiting and not sched.rotary and not _prefilling(sched.batch, by_row):
             return Decision()  # only decodes run: no token budget binds them, nothing to admit
         guard = tbt_guard(sched, now, p.tbt_headroom) if p.slo_admission else None
-        hold = p.slo_admission and stall_hold(sched, now)
-        waiting, waiting_slots, held = _unheld_waiting(
-            sched, 0 if hold else guard.new_requests if guard is not None else None, now
-        )
+        hold = stall_hold(sched, now) if p.slo_admission else None
+        allowed = guard.new_requests if guard is not None else None
+        waiting, waiting_slots, held = _unheld_waiting(sched, allowed, hold, now)
         budget = guard.token_budget if guard is not None else None
         residency = max(p.min_residency_s, guard.residency_s if guard is not None else 0.0)
         others = [*waiting, *sched.rotary]  # the rotary ones in arrival order
-        held_for_streams = hold and held > 0
+        held_for_streams = hold is not None and held > 0
         if not others:  # nothing to admit: no contention
             return Decision(token_budget=budget, held=held, guard=guard, stall_hold=held_for_streams)
         free = kv.num_free_blocks - _growth_blocks(sched, by_row)
@@ -610,10 +635,10 @@ class RotaryPolicy:
                 admit=by_arrival(others), token_budget=budget, held=held, guard=guard, stall_hold=held_for_streams
             )
 
-        # Not lagging, or its TBT is lost anyway: patient, it takes free blocks only, never
-        # displaces a running one (a lost request bounced in and out costs two copies per token).
-        # Under overload most rotary requests are: the scheduler ranks only those that fit. (In
-        # `others` order but for the lost rotary ones last: they never tie with one on time.)
+        # Not due, and not lagging or its SLO is lost anyway: patient, it takes free blocks only,
+        # never displaces a running one (a lost request bounced in and out costs two copies per
+        # token). Under overload most rotary requests are: the scheduler ranks only those that
+        # fit. (In `others` order but for the TBT-lost rotary ones last.)
         ranked, known_blocks, known_bounds, patient = _lagging_ranked(sched, p, waiting, waiting_slots, now)
         xfer = p.transfer_budget_blocks
         left = free + xfer

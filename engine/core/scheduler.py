@@ -409,7 +409,7 @@ class Scheduler:
                 self._admit_patient(decision.patient, step)
         if capped and step.budget <= 0:
             self.counters.guard_capped_steps += 1
-        if self.rotary or (self.waiting and self.waiting[0]._t_last_token is not None):
+        if self.rotary or (self.waiting and self.waiting[0].num_preemptions):
             self.note_stall_overruns(step.now)
         if step.writes_through:
             self._write_through(step)
@@ -439,10 +439,10 @@ class Scheduler:
     def note_stall_overruns(self, now: float) -> None:
         """Count each started stream still off the GPU after this step's admission whose stall
         budget has run out: once per wait, and say so in the log (at most every STALL_LOG_PERIOD_S).
-        Those waiting again after a recompute are at the front of the queue."""
+        Those waiting again after a recompute are among the preempted ones at the front of the queue."""
         restarted = []
         for r in self.waiting:
-            if r._t_last_token is None:
+            if not r.num_preemptions:
                 break
             restarted.append(r)
         new = 0
