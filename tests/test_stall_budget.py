@@ -6,6 +6,7 @@ a log line); new requests wait instead (docs/rotasched.md, "Stall budgets")."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -113,3 +114,18 @@ def test_the_head_of_line_burst_is_served_within_ttft_and_the_long_streams_withi
     assert core.scheduler.counters.rotations > 10
     assert all(t.ttft_met for t in short)
     assert not over_budget(long, step_s) and core.scheduler.counters.preemptions["recompute"] == 0
+
+
+def test_the_sim_stalls_bench_judges_each_point_by_issue_47s_lines():
+    from superinfer.bench.sim_stalls import Point, verdict
+
+    point = Point("p", SimConfig(), None, 60.0, overloaded=True)  # type: ignore[arg-type]
+    fcfs = {"goodput_share": 0.25, "stalled_1s_share": 0.0, "stalled_budget_share": 0.0, "throughput_tok_s": 100.0}
+    frozen = fcfs | {"goodput_share": 0.8, "stalled_1s_share": 0.19, "throughput_tok_s": 101.0}
+    assert not verdict(point, {"fcfs": fcfs, "rotary": frozen})["met"]
+    kept = frozen | {"stalled_1s_share": 0.01, "throughput_tok_s": 96.0}
+    assert verdict(point, {"fcfs": fcfs, "rotary": kept}) == pytest.approx(
+        {"goodput_ratio": 3.2, "stalled_1s_points_over_fcfs": 1.0, "throughput_ratio": 0.96, "met": True}
+    )
+    under = dataclasses.replace(point, overloaded=False)
+    assert not verdict(under, {"fcfs": fcfs | {"goodput_share": 1.0}, "rotary": kept})["met"]
