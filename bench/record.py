@@ -89,5 +89,5 @@ def write_result(
     folder = results_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{result_stem(bench, device, tag)}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # (paths among the settings)
     return path

@@ -27,3 +27,11 @@ def test_the_variable_wins_and_elsewhere_the_package_folder(tmp_path: Path, monk
     assert results_dir() == Path(record.__file__).parent / "results"
     monkeypatch.setenv("SUPERINFER_RESULTS_DIR", "out")
     assert results_dir() == tmp_path / "out"
+
+
+def test_paths_among_a_records_settings_are_written_as_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer bench's trace load keeps its trace as a Path: a 35-minute run had failed at the end
+    writing its record."""
+    monkeypatch.setenv("SUPERINFER_RESULTS_DIR", str(tmp_path))
+    path = write_result("unit", "cpu", {}, {}, extra={"loads": {"trace": {"path": tmp_path / "t.csv"}}})
+    assert json.loads(path.read_text())["loads"]["trace"]["path"] == str(tmp_path / "t.csv")
