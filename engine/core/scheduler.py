@@ -109,12 +109,12 @@ class SchedulerCounters:
     # admission, and steps that spent a token budget it had cut below the configured one.
     guard_held_steps: int = 0
     guard_overdue_steps: int = 0  # (of those, steps it held them all as a request had waited its turn)
+    stall_held_steps: int = 0  # (of those, steps it held them for the started streams off the GPU)
+    guard_capped_steps: int = 0
     # Started streams that waited off the GPU past their stall budget (note_stall_overruns): the
     # rotary policy could not bring them back in time (the pool too full of requests that have not
     # stayed the residency floor), or a recompute left them to wait their turn in the queue.
     stall_overruns: int = 0
-    stall_held_steps: int = 0  # (of those, steps it held them all for the started streams off the GPU)
-    guard_capped_steps: int = 0
 
     @property
     def preemptions(self) -> dict[str, int]:
