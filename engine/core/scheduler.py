@@ -457,8 +457,7 @@ class Scheduler:
             if now - self._t_stall_logged >= STALL_LOG_PERIOD_S:
                 self._t_stall_logged = now
                 log.warning(
-                    "%d started streams waited off the GPU past their stall budget (%d in all): more "
-                    "started streams than the KV cache can keep streaming",
+                    "%d started streams waited off the GPU past their stall budget (%d in all)",
                     new,
                     self.counters.stall_overruns,
                 )
