@@ -137,9 +137,10 @@ def stall_due_at(t_last: float, stall_budget_ms: float) -> float:
 STALL_URGENT_SHARE = 0.75
 
 
-def _urgent(r: Request, now: float) -> bool:
+def _waited(r: Request, now: float, share: float) -> bool:
+    """A started stream off the GPU has waited `share` of its stall budget since its last token."""
     t_last = r._t_last_token
-    return t_last is not None and now >= t_last + STALL_URGENT_SHARE * r.slo.stall_budget_ms / 1000.0
+    return t_last is not None and now >= t_last + share * r.slo.stall_budget_ms / 1000.0
 
 
 MIN_PREFILL_CHUNK = 32  # tokens a capped step still gives prefills, so they always progress
@@ -291,11 +292,6 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
     return TBTGuard(allowed, budget, residency, overdue, d, fit, turn_end - now)
 
 
-def _due(r: Request, now: float) -> bool:
-    t_last = r._t_last_token
-    return t_last is not None and now >= stall_due_at(t_last, r.slo.stall_budget_ms)
-
-
 def _due_in_columns(cols: RankingColumns, now: float) -> bool:
     slots = np.flatnonzero(cols.np_active)  # (NaN, no token yet: not due)
     return bool(np.any(now >= cols.np_t_last[slots] + STALL_DUE_SHARE * cols.np_stall_ms[slots] / 1000.0))
@@ -326,14 +322,14 @@ def _started_stream_due(sched: Scheduler, now: float) -> bool:
     """Some started stream off the GPU is due to come back (stall_due_at)."""
     few = sched.rows_per_vector
     if len(sched.rotary_on_time) < few:
-        if any(_due(r, now) for r in sched.rotary_on_time):
+        if any(_waited(r, now, STALL_DUE_SHARE) for r in sched.rotary_on_time):
             return True
     elif _due_in_columns(sched.rotary_columns, now):
         return True
-    if any(_due(r, now) for r in sched.rotary_lost):
+    if any(_waited(r, now, STALL_DUE_SHARE) for r in sched.rotary_lost):
         return True
     if len(sched.waiting) < few:
-        return any(_due(r, now) for r in sched.waiting)
+        return any(_waited(r, now, STALL_DUE_SHARE) for r in sched.waiting)
     return _due_in_columns(sched.waiting_columns, now)
 
 
@@ -529,7 +525,7 @@ def _lagging_ranked(
     due_lost: list[Request] = []
     lost: list[Request] = []
     for r in sched.rotary_lost:
-        (due_lost if now >= stall_due_at(r._t_last_token, r.slo.stall_budget_ms) else lost).append(r)
+        (due_lost if _waited(r, now, STALL_DUE_SHARE) else lost).append(r)
     many_rotary = len(on_time) >= sched.rows_per_vector
     if waiting_slots is None and not many_rotary:
         lagging, patient = [], []  # (the lagging with their ranking keys, computed once)
@@ -686,7 +682,7 @@ class RotaryPolicy:
             xfer_left -= copies
         to_free = xfer - left
         rotate_out = []
-        if ranked and _urgent(ranked[0], now):
+        if ranked and _waited(ranked[0], now, STALL_URGENT_SHARE):
             # The stream first in line will stall past its budget unless it comes back now: it
             # displaces any that has stayed the floor, even where the TBT guard keeps everyone.
             residency = min(residency, p.min_residency_s)
