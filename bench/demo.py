@@ -14,7 +14,7 @@ from superinfer.bench.loadgen import LoadRequest, run_load
 from superinfer.bench.vllm_peer import counters
 from superinfer.bench.workload import WorkItem, burst_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
-from superinfer.engine.server import start_server
+from superinfer.engine.serving.server import start_server
 from superinfer.engine.slo import SLO
 
 ROWS = (

@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             from superinfer.engine.engine import EngineDeadError
-            from superinfer.engine.server import serve
+            from superinfer.engine.serving.server import serve
 
             try:
                 asyncio.run(serve(engine_config(args)))

@@ -32,7 +32,7 @@ async def server(request):
     engine runs on a thread here, so tests can look at its scheduler and metrics; the engine
     process (the default) is served and tested in test_engine_process.py."""
     from superinfer.engine.config import EngineConfig
-    from superinfer.engine.server import start_server
+    from superinfer.engine.serving.server import start_server
 
     running = await start_server(
         EngineConfig(

@@ -28,7 +28,7 @@ import pytest_asyncio
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.process import ProcessEngine
-from superinfer.engine.server import RunningServer, start_server
+from superinfer.engine.serving.server import RunningServer, start_server
 from tests import test_openai_api as api
 from tests import test_server as srv
 from tests import test_structured_api as structured

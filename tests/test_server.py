@@ -14,7 +14,7 @@ from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.process import ProcessEngine
-from superinfer.engine.server import RunningServer, start_server
+from superinfer.engine.serving.server import RunningServer, start_server
 from superinfer.engine.worker.runner import SubmittedStep
 from tests.conftest import SERVED_MODEL
 

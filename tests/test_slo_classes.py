@@ -17,7 +17,7 @@ from superinfer.engine.cli import main
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import Request
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.server import RunningServer, start_server
+from superinfer.engine.serving.server import RunningServer, start_server
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass
 

@@ -16,7 +16,7 @@ from superinfer.engine.cli import build_parser, engine_config, main
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
 from superinfer.engine.metrics import LATENCY_BUCKETS, EngineMetrics
-from superinfer.engine.server import RunningServer, start_server
+from superinfer.engine.serving.server import RunningServer, start_server
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass, parse_classes, resolve
 

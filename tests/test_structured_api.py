@@ -11,9 +11,9 @@ import pytest
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.output import RequestOutput
-from superinfer.engine.responses import ChatFormat, ChoiceSpec
-from superinfer.engine.server import start_server
-from superinfer.engine.tool_parsers import get_parser
+from superinfer.engine.serving.completion_bodies import ChatFormat, ChoiceSpec
+from superinfer.engine.serving.server import start_server
+from superinfer.engine.serving.tool_parsers import get_parser
 from tests.test_openai_api import post, stream
 from tests.test_server import MODEL
 

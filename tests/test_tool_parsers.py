@@ -11,18 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from superinfer.engine import tool_parsers
 from superinfer.engine.model.tiny import EOT, TINY_VOCAB_SIZE, tiny_tokenizer
-from superinfer.engine.structured import (
-    JSON_LAYOUT,
-    GrammarCompiler,
-    GrammarMatcher,
-    GuidedSpec,
-    apply_bitmask,
-    fill_bitmasks,
-)
-from superinfer.engine.tokenizer import Tokenizer
-from superinfer.engine.tool_parsers import (
+from superinfer.engine.serving import tool_parsers
+from superinfer.engine.serving.tool_parsers import (
     ContentDelta,
     ParsedOutput,
     ToolCall,
@@ -32,6 +23,15 @@ from superinfer.engine.tool_parsers import (
     get_parser,
     tool_call_schema,
 )
+from superinfer.engine.structured import (
+    JSON_LAYOUT,
+    GrammarCompiler,
+    GrammarMatcher,
+    GuidedSpec,
+    apply_bitmask,
+    fill_bitmasks,
+)
+from superinfer.engine.tokenizer import Tokenizer
 
 HERMES = get_parser("hermes")
 LLAMA3 = get_parser("llama3_json")

@@ -28,8 +28,8 @@ from superinfer.operator.controller.kube_client import DEPLOYMENTS, PODS
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        importlib.util.find_spec("superinfer.engine.server") is None,
-        reason="awaits the engine: superinfer.engine.server cannot be imported",
+        importlib.util.find_spec("superinfer.engine.serving.server") is None,
+        reason="awaits the engine: superinfer.engine.serving.server cannot be imported",
     ),
 ]
 

@@ -13,7 +13,7 @@ from superinfer.operator.api.inference_service import InferenceServiceSpec
 from superinfer.operator.autoscaling import pod_metrics
 from superinfer.operator.autoscaling.decision import Memory, Observation, Params, decide
 
-server_module = pytest.importorskip("superinfer.engine.server", reason="awaits the engine")
+server_module = pytest.importorskip("superinfer.engine.serving.server", reason="awaits the engine")
 config_module = pytest.importorskip("superinfer.engine.config")
 
 MODEL = "tiny-autoscale"

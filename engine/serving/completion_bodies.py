@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from superinfer.engine.output import RequestOutput
+from superinfer.engine.serving.tool_parsers import ContentDelta, ToolCallDelta, ToolParser
 from superinfer.engine.tokenizer import Tokenizer
-from superinfer.engine.tool_parsers import ContentDelta, ToolCallDelta, ToolParser
 from superinfer.engine.worker.runner import TokenLogprob
 
 

@@ -28,7 +28,8 @@ from superinfer.engine.engine import AsyncEngine, EngineCore, EngineDeadError
 from superinfer.engine.guided import GrammarError, GuidedSpec
 from superinfer.engine.output import RequestOutput
 from superinfer.engine.process import CoreView, ProcessEngine
-from superinfer.engine.protocol import (
+from superinfer.engine.serving.completion_bodies import ChatFormat, ChoiceSpec, CompletionFormat
+from superinfer.engine.serving.request_models import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,12 +37,11 @@ from superinfer.engine.protocol import (
     TokenizeRequest,
     for_choice,
 )
-from superinfer.engine.responses import ChatFormat, ChoiceSpec, CompletionFormat
+from superinfer.engine.serving.tool_parsers import ToolParser, get_parser
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
 from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.tokenizer import Tokenizer
-from superinfer.engine.tool_parsers import ToolParser, get_parser
 
 log = logging.getLogger("superinfer.server")
 
