@@ -139,6 +139,9 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", type=Path, default=None, help="attainment/goodput vs rate and TTFT CDFs (PNG)")
     o.add_argument("--jobs", type=int, default=1, help="simulate this many points at once (processes)")
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    from superinfer.sim.fleet.cli import add_fleet_flags
+
+    add_fleet_flags(p)
 
 
 def sim_config(args: argparse.Namespace) -> Any:
@@ -252,6 +255,10 @@ def points_table(points: dict[str, list[dict[str, float]]], title: str) -> Any:
 
 
 def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "fleet", False):
+        from superinfer.sim.fleet.cli import run_fleet_cli
+
+        return run_fleet_cli(args)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
