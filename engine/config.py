@@ -164,7 +164,7 @@ class EngineConfig(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,
         description="how tool calls are read from this model's output (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: "
-        "Llama 3.x); needed for tool_choice 'auto'",
+        "Llama 3.x); default: the one the model's chat template or family implies",
     )
     metrics_compat: Literal["vllm"] | None = None
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest request body accepted (else 413)")

@@ -96,6 +96,11 @@ async def test_chat_with_the_openai_client(client):
 async def test_models_health_ready(client, server):
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    model = await client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.models.retrieve("org/other-model")
+    assert err.value.body["code"] == "model_not_found" and "org/other-model" in err.value.body["message"]
     async with aiohttp.ClientSession() as http:
         for path in (c.HEALTH_PATH, c.READY_PATH):
             async with http.get(server.url + path) as resp:

@@ -42,6 +42,7 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "get_time"}},
 ]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 200, "seed": 3}
 
 
@@ -179,17 +180,104 @@ async def test_a_tool_round_trip_renders_through_the_chat_template(client, serve
     assert done.choices[0].message.tool_calls is None
 
 
-async def test_auto_tool_choice_needs_a_parser_and_parses_with_it(server):
-    status, err = await post(server, "/v1/chat/completions", {**CHAT, "tools": TOOLS})
-    assert status == 400 and "--tool-call-parser" in err["error"]["message"]
-    running = await start_server(
-        EngineConfig(model="tiny", served_model_name=MODEL, device="cpu", port=0, tool_call_parser="hermes")
-    )
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}\n</tool_call>'
+LLAMA3_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "celsius": true}}'
+# A Llama-3-style template written for these tests: tools listed as JSON, calls written as
+# {"name": ..., "parameters": ...}, the built-in tool tag named.
+LLAMA3_TEMPLATE = r"""{{- bos_token -}}
+{%- if tools -%}{{- "<|start_header_id|>system<|end_header_id|>\n\nCall a function by answering with JSON "
+    ~ "{\"name\": ..., \"parameters\": {...}} (or <|python_tag|> for built-in tools):\n" -}}
+{%- for tool in tools -%}{{- tool | tojson ~ "\n" -}}{%- endfor -%}{{- "<|eot_id|>" -}}{%- endif -%}
+{%- for message in messages -%}
+{{- "<|start_header_id|>" ~ message.role ~ "<|end_header_id|>\n\n" ~ (message.content or "") ~ "<|eot_id|>" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- "<|start_header_id|>assistant<|end_header_id|>\n\n" -}}{%- endif -%}
+"""
+
+
+def model_folder(tmp_path, arch: str, template: str | None = None):
+    from tests.hf_fixtures import LLAMA3_SCALING, make_hf_checkpoint
+
+    scaling = LLAMA3_SCALING if arch == "llama" else None
+    folder = make_hf_checkpoint(arch, tmp_path / arch, seed=1, rope_scaling=scaling, max_position_embeddings=1024)
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("arch", "template", "call"),
+    [("qwen3", None, HERMES_CALL), ("llama", LLAMA3_TEMPLATE, LLAMA3_CALL)],
+    ids=["qwen-style", "llama3-style"],
+)
+async def test_auto_tool_calls_work_without_a_parser_flag(tmp_path, arch, template, call):
+    """The parser comes from the model's chat template; the answer is held to a call in the
+    model's format (guided_choice), since a random-weight model would not write one by itself."""
+    folder = model_folder(tmp_path, arch, template)
+    running = await start_server(EngineConfig(model=str(folder), served_model_name=MODEL, device="cpu", port=0))
     try:
-        status, done = await post(running, "/v1/chat/completions", {**CHAT, "tools": TOOLS, "max_tokens": 8})
-        assert status == 200 and done["choices"][0]["message"]["role"] == "assistant"
+        body = {**CHAT, "tools": TOOLS, "guided_choice": [call], "max_tokens": 100}
+        status, done = await post(running, "/v1/chat/completions", body)
+        assert status == 200, done
+        (choice,) = done["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        (tool_call,) = choice["message"]["tool_calls"]
+        assert tool_call["function"]["name"] == "get_weather"
+        assert json.loads(tool_call["function"]["arguments"]) == {"city": "Oslo", "celsius": True}
     finally:
         await running.close()
+
+
+async def test_auto_tool_choice_without_a_known_format_is_a_clear_400(tmp_path):
+    plain = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ tools }}"
+    folder = model_folder(tmp_path, "qwen3", plain.replace("{{ tools }}", ""))
+    running = await start_server(EngineConfig(model=str(folder), served_model_name=MODEL, device="cpu", port=0))
+    try:
+        status, err = await post(running, "/v1/chat/completions", {**CHAT, "tools": TOOLS})
+        assert status == 400 and "--tool-call-parser" in err["error"]["message"]
+        status, _ = await post(running, "/v1/chat/completions", {**CHAT, "max_tokens": 3})
+        assert status == 200  # and the server keeps serving
+    finally:
+        await running.close()
+
+
+def streamed_message(chunks: list[dict]) -> tuple[str | None, list[dict], str | None]:
+    """Content, tool calls and finish reason, put together from a chat stream's chunks."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            finish = choice["finish_reason"] or finish
+            content += choice["delta"].get("content") or ""
+            for part in choice["delta"].get("tool_calls", []):
+                call = calls.setdefault(part["index"], {"name": None, "arguments": ""})
+                call["name"] = part["function"].get("name") or call["name"]
+                call["arguments"] += part["function"]["arguments"]
+    return content or None, list(calls.values()), finish
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", NAMED], ids=["auto", "required", "named"])
+async def test_a_tool_call_cut_by_max_tokens_is_the_same_streamed_and_not(server, tool_choice):
+    """max_tokens ends the answer in the tag, in the name and in the arguments: finish_reason
+    "length", the call (once named) with its partial arguments, no wrapper as text, either way."""
+    body = {**CHAT, "tools": TOOLS, "tool_choice": tool_choice}
+    if tool_choice == "auto":
+        body["guided_choice"] = [HERMES_CALL]
+    for max_tokens in (3, 24, 60):
+        status, done = await post(server, "/v1/chat/completions", {**body, "max_tokens": max_tokens})
+        assert status == 200, done
+        (choice,) = done["choices"]
+        calls = [c["function"] for c in choice["message"].get("tool_calls") or []]
+        whole = (choice["message"]["content"], calls, choice["finish_reason"])
+        chunks = await stream(server, "/v1/chat/completions", {**body, "max_tokens": max_tokens})
+        assert streamed_message(chunks) == whole, max_tokens
+        assert whole[0] is None, (max_tokens, whole)  # never the wrapper as text
+        assert all(call["name"] in ("get_weather", "get_time") for call in calls)
+        if max_tokens == 3:
+            assert whole == (None, [], "length")
+        elif whole[2] == "tool_calls":  # "required" may choose get_time, whose call is short
+            assert tool_choice == "required" and all(json.loads(call["arguments"]) == {} for call in calls)
+        else:
+            assert whole[2] == "length" and (calls or max_tokens == 24), (max_tokens, whole)
 
 
 def output(text: str, finished: bool) -> RequestOutput:

@@ -20,6 +20,7 @@ from superinfer.engine.serving.tool_parsers import (
     ToolCallDelta,
     ToolParser,
     collect,
+    detect_parser,
     get_parser,
     tool_call_schema,
 )
@@ -129,9 +130,9 @@ def test_parse(parser: ToolParser, text: str, want: ParsedOutput) -> None:
         assert isinstance(json.loads(call.arguments_json), dict)
 
 
-def _streamed(parser: ToolParser, pieces: list[str]) -> ParsedOutput:
+def _streamed(parser: ToolParser, pieces: list[str], truncated: bool = False) -> ParsedOutput:
     stream = parser.stream()
-    events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
+    events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish(truncated)
     seen: set[int] = set()
     for e in events:  # OpenAI's shape: a call's first delta names it, indices count up from 0
         if isinstance(e, ToolCallDelta):
@@ -207,6 +208,46 @@ def test_stream_cannot_take_back_a_call_that_breaks_late() -> None:
     assert streamed == ParsedOutput(None, [ToolCall("f", '{"a": 1')])
     streamed = _streamed(LLAMA3, ['{"name": "f", "parameters": {"a"', ': 1} x}; {"name": "g", "parameters": {}}'])
     assert streamed == ParsedOutput(None, [ToolCall("f", '{"a": 1}')])
+
+
+# What constrained decoding makes of tool_choice "required" or a named function, in each format.
+FORCED = {
+    "hermes": (
+        HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>',
+    ),
+    "llama3_json": (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1, 2]}}'),
+}
+
+
+@pytest.mark.parametrize(("parser", "text"), FORCED.values(), ids=FORCED)
+def test_a_call_cut_by_the_length_limit_reads_the_same_whole_and_streamed(parser: ToolParser, text: str) -> None:
+    """Wherever max_tokens cuts a forced call: no wrapper text ever; once the name is written, one
+    call with the arguments written so far; the same whole, streamed in one piece or in two."""
+    arguments = '{"city": "Oslo", "days": [1, 2]}'
+    args_at = text.index(arguments)
+    named_at = text.index('"get_weather"') + len('"get_weather"')
+    for k in range(len(text) + 1):
+        prefix = text[:k]
+        whole = parser.parse(prefix, truncated=True)
+        assert whole.content is None, (k, whole)
+        if k < named_at:
+            assert whole.tool_calls == [], k
+        else:
+            (call,) = whole.tool_calls
+            assert call.name == "get_weather"
+            assert call.arguments_json == arguments[: max(0, k - args_at)], k
+        assert _streamed(parser, [prefix], truncated=True) == whole, k
+        for i in range(0, k + 1, 3):
+            assert _streamed(parser, _split(prefix, [i]), truncated=True) == whole, (k, i)
+
+
+def test_a_cut_outside_calls_keeps_the_text_but_not_a_begun_tag() -> None:
+    assert HERMES.parse("Let me check. <tool_ca", truncated=True) == ParsedOutput("Let me check. ")
+    assert HERMES.parse("Let me check. <tool_ca") == ParsedOutput("Let me check. <tool_ca")
+    assert HERMES.parse("a < b", truncated=True) == ParsedOutput("a < b")
+    assert LLAMA3.parse("<|python", truncated=True) == ParsedOutput(None)
+    assert LLAMA3.parse("The answer", truncated=True) == ParsedOutput("The answer")
 
 
 def test_unknown_parser_lists_the_known_ones() -> None:
@@ -366,3 +407,14 @@ def test_any_text_parses_and_streams_without_crashing(parts: list[str], data: st
             assert parsed.content == (text or None)
     if "<tool_call>" not in text:
         assert _streamed(HERMES, _split(text, cuts)) == ParsedOutput(text or None)
+
+
+def test_the_parser_is_read_from_the_chat_template_then_the_family() -> None:
+    renders_tools = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    assert detect_parser(renders_tools + "<tool_call>", "llama") == "hermes"
+    assert detect_parser(renders_tools + "<|python_tag|>", "mistral") == "llama3_json"
+    assert detect_parser(renders_tools, "qwen3_moe") == "hermes"
+    assert detect_parser(renders_tools, "llama", "llama3") == "llama3_json"
+    assert detect_parser(renders_tools, "llama") is None  # Llama 2 and other llama-shaped families
+    assert detect_parser("{{ messages }} <tool_call>", "qwen3") is None  # the model never sees the tools
+    assert detect_parser(None, "qwen3") is None

@@ -201,7 +201,7 @@ class ChatFormat(CompletionFormat):
         base = super()._choice(index, outs, first)
         message: dict[str, Any] = {"role": "assistant", "content": base.pop("text")}
         if self.tool_parser is not None:
-            parsed = self.tool_parser.parse(message["content"])
+            parsed = self.tool_parser.parse(message["content"], truncated=base["finish_reason"] == "length")
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [
@@ -238,7 +238,7 @@ class ChatFormat(CompletionFormat):
         delta: dict[str, Any] = {}
         if self.tool_parser is not None:
             stream = self.tool_streams[index]
-            events = stream.feed(text) + (stream.finish() if out.finished else [])
+            events = stream.feed(text) + (stream.finish(out.finish_reason == "length") if out.finished else [])
             text = "".join(e.text for e in events if isinstance(e, ContentDelta))
             calls = [self._call_delta(index, e) for e in events if isinstance(e, ToolCallDelta)]
             if calls:

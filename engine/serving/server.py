@@ -37,7 +37,7 @@ from superinfer.engine.serving.request_models import (
     TokenizeRequest,
     for_choice,
 )
-from superinfer.engine.serving.tool_parsers import ToolParser, get_parser
+from superinfer.engine.serving.tool_parsers import ToolParser, detect_parser, get_parser
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
 from superinfer.engine.startup_heap import freeze_startup_heap
@@ -176,12 +176,25 @@ class OpenAIServer:
         self.model_name = config.model_name
         self.draining = False
         self.created = int(time.time())
+        self.tool_call_parser = config.tool_call_parser or self._detected_tool_parser()
+
+    def _detected_tool_parser(self) -> str | None:
+        template = self.core.tokenizer.chat_template if self.core.tokenizer else None
+        model = self.core.model_config
+        rope_type = (model.rope_scaling or {}).get("rope_type")
+        name = detect_parser(template, model.architecture, rope_type)
+        if name is None:
+            log.info("tool calls: no format found in the chat template; tool_choice 'auto' needs --tool-call-parser")
+        else:
+            log.info("tool calls: reading %s calls (from the model; --tool-call-parser overrides)", name)
+        return name
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[errors_as_json, self.auth])
         app.router.add_post(c.COMPLETIONS_PATH, self.completions)
         app.router.add_post(c.CHAT_COMPLETIONS_PATH, self.chat_completions)
         app.router.add_get(c.MODELS_PATH, self.models)
+        app.router.add_get(c.MODELS_PATH + "/{model_id:.+}", self.model)  # ids like "Qwen/Qwen3-8B" have a slash
         app.router.add_get(c.HEALTH_PATH, self.health)
         app.router.add_get(c.READY_PATH, self.ready)
         app.router.add_get(c.METRICS_PATH, self.metrics)
@@ -220,8 +233,8 @@ class OpenAIServer:
             raise APIError(503, "the engine did not answer the scrape in time", type="server_error") from exc
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
@@ -229,7 +242,24 @@ class OpenAIServer:
             "root": self.config.model,
             "max_model_len": self.core.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+
+    def _no_such_model(self, name: str) -> APIError:
+        return APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self.model_name:
+            raise self._no_such_model(model_id)
+        return web.json_response(self._model_card())
 
     # --- parsing ---------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -260,13 +290,7 @@ class OpenAIServer:
             log.warning("request %s: ignoring unknown fields %s", request_id(request), shown)
         name = getattr(body, "model", None)
         if name is not None and name != self.model_name:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._no_such_model(name)
         body.check_supported()
         return body
 
@@ -388,18 +412,19 @@ class OpenAIServer:
         return spec
 
     def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
-        """How tool calls are read from the output: the server's parser for tool_choice "auto";
-        for "required" or a named function the output is constrained to the parser's format."""
+        """How tool calls are read from the output: the server's parser (the flag's, else the one the
+        model's chat template implies) for tool_choice "auto"; for "required" or a named function the
+        output is constrained to the parser's format (hermes when none is known)."""
         if not body.tools or body.tool_choice == "none":
             return None
-        configured = self.config.tool_call_parser
+        configured = self.tool_call_parser
         if body.tool_choice in (None, "auto"):
             if configured is None:
                 raise APIError(
                     400,
-                    "tool_choice 'auto' (the default with tools) needs the server started with --tool-call-parser "
-                    "(hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.x); 'required' and named functions "
-                    "work without it",
+                    "tool_choice 'auto' (the default with tools) needs to know how this model writes tool calls, "
+                    "and its chat template does not say: start the server with --tool-call-parser (hermes for "
+                    "Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.x); 'required' and named functions work without it",
                     param="tool_choice",
                 )
             return get_parser(configured)

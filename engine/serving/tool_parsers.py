@@ -13,6 +13,9 @@ to it exactly. A tool call whose JSON is invalid stays content, with one limit i
 arguments are streamed as they arrive, so a call that breaks after some of them went out cannot
 be taken back; it stays a call with what was sent (all of its arguments if they were complete),
 and the rest of it (hermes: up to its close tag; llama3_json: the rest of the output) is dropped.
+An output the length limit cut inside a call is read the same way whole and streamed: a named call
+keeps the arguments written so far (OpenAI's `finish_reason: "length"` with partial arguments), a
+call cut before its name is dropped, and no part of the wrapper is ever content.
 
 `tool_call_schema` is the JSON schema of the calls that `tool_choice` ("required" or a named
 function) demands; `ToolParser.guided_grammar` wraps it in the family's own format (a Lark grammar
@@ -256,24 +259,25 @@ class ToolCallStream(ABC):
         self._consume(delta)
         return self._release()
 
-    def finish(self) -> list[DeltaEvent]:
+    def finish(self, truncated: bool = False) -> list[DeltaEvent]:
+        """The output ended; `truncated`: by the length limit, so a call may be cut off."""
         self._out, self._mark = [], 0
-        self._close()
+        self._close(truncated)
         return self._release()
 
-    def complete(self, text: str) -> list[DeltaEvent]:
-        """`feed(text)` and `finish()` as one step: nothing goes out before the end, so every
-        call is validated whole (what `ToolParser.parse` does)."""
+    def complete(self, text: str, truncated: bool = False) -> list[DeltaEvent]:
+        """`feed(text)` and `finish(truncated)` as one step: nothing goes out before the end, so
+        every call is validated whole (what `ToolParser.parse` does)."""
         self._out, self._mark = [], 0
         self._consume(text)
-        self._close()
+        self._close(truncated)
         return self._release()
 
     @abstractmethod
     def _consume(self, text: str) -> None: ...
 
     @abstractmethod
-    def _close(self) -> None: ...
+    def _close(self, truncated: bool) -> None: ...
 
     def _release(self) -> list[DeltaEvent]:
         if self._index is not None:
@@ -311,6 +315,20 @@ class ToolCallStream(ABC):
             self._out.append(ToolCallDelta(self._index, arguments=fragment))
             self._sent += len(fragment)
 
+    def _cut_call(self) -> None:
+        """The length limit cut the current call off. As OpenAI reports it, a named call stands
+        with the arguments written so far; one cut before its name is dropped. Either way none of
+        its wrapper becomes content."""
+        scanner = self._scanner
+        assert scanner is not None
+        if scanner.name is None:
+            self._undo_call()
+            return
+        if self._index is None:
+            self._index, self._calls = self._calls, self._calls + 1
+            self._out.append(ToolCallDelta(self._index, name=scanner.name))
+        self._send_arguments()
+
     def _undo_call(self) -> bool:
         """Take the failed call back if nothing of it went out yet (True: its text is content)."""
         if self._released:
@@ -344,7 +362,7 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class _HermesStream(ToolCallStream):
+class HermesStream(ToolCallStream):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _require_arguments = False
 
@@ -427,17 +445,20 @@ class _HermesStream(ToolCallStream):
         self._state, self._after_call = "text", False
         return self._scanner.text + rest
 
-    def _close(self) -> None:
+    def _close(self, truncated: bool) -> None:
         # In "after", the object is complete and at most part of the close tag is missing: it stands.
-        if self._state == "call":
+        if self._state == "call" and truncated:
+            self._cut_call()
+        elif self._state == "call":
             self._consume(self._failed(""))
-            self._close()
+            self._close(truncated)
         elif self._state == "text" and not self._after_call:
-            self._content(self._buf)
+            cut = _partial_suffix(self._buf, self.OPEN) if truncated else 0  # an open tag begun
+            self._content(self._buf[: len(self._buf) - cut])
             self._buf = ""
 
 
-class _Llama3Stream(ToolCallStream):
+class Llama3Stream(ToolCallStream):
     TAG = "<|python_tag|>"
     _require_arguments = True
 
@@ -495,10 +516,13 @@ class _Llama3Stream(ToolCallStream):
         self._state = "content"
         self._content(raw if self._calls == 0 else raw.lstrip(_WS + ";"))
 
-    def _close(self) -> None:
+    def _close(self, truncated: bool) -> None:
         if self._state == "call" and not self._scanner.done:
-            self._failed("")
-        elif self._state == "start":
+            if truncated:
+                self._cut_call()
+            else:
+                self._failed("")
+        elif self._state == "start" and not (truncated and self.TAG.startswith(self._buf.strip(_WS))):
             self._content(self._buf)
 
 
@@ -512,8 +536,8 @@ class ToolParser(ABC):
     @abstractmethod
     def _grammar(self, call_schema: dict[str, Any], repeat: bool) -> str: ...
 
-    def parse(self, text: str) -> ParsedOutput:
-        return collect(self.stream().complete(text))
+    def parse(self, text: str, truncated: bool = False) -> ParsedOutput:
+        return collect(self.stream().complete(text, truncated))
 
     def guided_grammar(
         self, tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, parallel: bool = True
@@ -535,7 +559,7 @@ class HermesParser(ToolParser):
     arguments_key = "arguments"
 
     def stream(self) -> ToolCallStream:
-        return _HermesStream()
+        return HermesStream()
 
     def _grammar(self, call_schema: dict[str, Any], repeat: bool) -> str:
         more = ' ("\\n" call)*' if repeat else ""
@@ -551,7 +575,7 @@ class Llama3JsonParser(ToolParser):
     arguments_key = "parameters"
 
     def stream(self) -> ToolCallStream:
-        return _Llama3Stream()
+        return Llama3Stream()
 
     def _grammar(self, call_schema: dict[str, Any], repeat: bool) -> str:
         more = ' ("; " body)*' if repeat else ""
@@ -565,6 +589,23 @@ def get_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}")
     return PARSERS[name]()
+
+
+def detect_parser(chat_template: str | None, architecture: str, rope_type: str | None = None) -> str | None:
+    """The parser for a model served without `--tool-call-parser`: from the markup its chat
+    template writes tool calls in, else from its family (Qwen: hermes; Llama 3.x, whose RoPE is
+    `llama3`: llama3_json); None when the template cannot show the model any tools."""
+    if not chat_template or "tools" not in chat_template:
+        return None
+    if HermesStream.OPEN in chat_template:
+        return HermesParser.name
+    if Llama3Stream.TAG in chat_template:
+        return Llama3JsonParser.name
+    if architecture.startswith("qwen"):
+        return HermesParser.name
+    if architecture == "llama" and rope_type == "llama3":
+        return Llama3JsonParser.name
+    return None
 
 
 def collect(events: Sequence[DeltaEvent]) -> ParsedOutput:
