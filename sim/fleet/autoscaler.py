@@ -63,6 +63,7 @@ def slo_spec(
     tbt_ms: float,
     max_num_seqs: int = 256,
     overrides: Mapping | None = None,
+    window_seconds: int = 120,
 ) -> InferenceServiceSpec:
     """An InferenceService spec with the SLO autoscaler on; everything else at the CRD's defaults
     (`overrides`: more autoscaling fields, in the CRD's camelCase)."""
@@ -71,7 +72,7 @@ def slo_spec(
         {
             "model": {"uri": "preset://llama-3-8b"},
             "engine": {"maxNumSeqs": max_num_seqs},
-            "slo": {"ttftMs": ttft_ms, "tbtMs": tbt_ms},
+            "slo": {"ttftMs": ttft_ms, "tbtMs": tbt_ms, "windowSeconds": window_seconds},
             "autoscaling": autoscaling,
         }
     )

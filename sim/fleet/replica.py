@@ -96,6 +96,7 @@ class Replica:
         self.token_times: dict[str, list[float]] = {}
         self.finished: dict[str, float] = {}  # request id -> when its last token came
         self.killed: set[str] = set()
+        self.refused: dict[str, str] = {}  # request id -> why the engine refused it
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def phase(self, now: float) -> Phase:
@@ -139,7 +140,12 @@ class Replica:
                 priority=job.priority,
                 slo_class=job.slo_class,
             )
-            self.sched.add(request)
+            try:
+                self.sched.add(request)
+            except ValueError as exc:  # the engine answers 400 (e.g. more KV than the replica has)
+                self.refused[job.request_id] = str(exc)
+                self.finished[job.request_id] = now
+                continue
             self.jobs[job.request_id] = dataclasses.replace(job, prompt=[])  # the scheduler holds it now
 
     def _collect(self, plan: StepPlan, done: float) -> None:
@@ -213,7 +219,7 @@ class Replica:
         """Each request sent here, as its client saw it."""
         out = []
         for rid, job in self.jobs.items():
-            error = DRAIN_KILLED if rid in self.killed else None
+            error = DRAIN_KILLED if rid in self.killed else self.refused.get(rid)
             out.append(RequestTiming(job.arrival_s, tuple(self.token_times[rid]), job.slo, error, job.slo_class))
         return out
 

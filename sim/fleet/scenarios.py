@@ -87,14 +87,18 @@ def trace_at_rate(
 
 
 def peak_rate(items: list[WorkItem], window_s: float = 60.0) -> float:
-    """The highest arrival rate over any window of `window_s` (sliding over arrivals)."""
+    """The highest arrival rate over any window of `window_s` (sliding over arrivals; a load
+    shorter than the window: its mean rate)."""
     times = sorted(i.arrival_s for i in items)
+    if not times:
+        return 0.0
+    width = min(window_s, times[-1] - times[0]) or 1e-9
     best, lo = 0, 0
     for hi, t in enumerate(times):
-        while t - times[lo] > window_s:
+        while t - times[lo] > width:
             lo += 1
         best = max(best, hi - lo + 1)
-    return best / window_s
+    return best / width
 
 
 def average_rate(items: list[WorkItem]) -> float:

@@ -76,7 +76,7 @@ def poisson_like(items: Sequence[WorkItem], rate: float, duration_s: float, seed
 
 
 def replica_capacity(
-    config: SimConfig, items: Sequence[WorkItem], target: float, duration_s: float = 60.0, hi: float = 80.0
+    config: SimConfig, items: Sequence[WorkItem], target: float, duration_s: float = 60.0, hi: float = 48.0
 ) -> float:
     """The highest Poisson rate at which one replica keeps the stall-aware goodput share at
     `target`, on requests like the load's (bisection, as `simulate --max-rate`)."""
@@ -85,7 +85,7 @@ def replica_capacity(
         load = poisson_like(items, rate, duration_s)
         return summarize(simulate(config, load).timings)["goodput_share"]
 
-    return max_rate(share, target, lo=1.0, hi=hi, max_expand=1).rate
+    return max_rate(share, target, lo=1.0, hi=hi, rel_tol=0.05, max_expand=1).rate
 
 
 def sizing_for(items: Sequence[WorkItem], rate_per_replica: float, min_replicas: int, max_replicas: int) -> Sizing:
