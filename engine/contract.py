@@ -11,6 +11,7 @@ DEFAULT_PORT = 8000
 # HTTP endpoints.
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/health"  # the process is alive
 READY_PATH = "/ready"  # the model is loaded and the server is not draining

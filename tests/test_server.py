@@ -185,7 +185,7 @@ BAD_REQUESTS = [
         c.CHAT_COMPLETIONS_PATH,
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,
-        "tool_choice",
+        "tools",
     ),
     (
         c.CHAT_COMPLETIONS_PATH,

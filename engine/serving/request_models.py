@@ -23,6 +23,7 @@ from superinfer.engine.core.request import (
     SamplingParams,
 )
 from superinfer.engine.guided import GrammarError, GuidedSpec
+from superinfer.engine.serving.tool_parsers import functions
 
 
 class APIError(Exception):
@@ -94,7 +95,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: the running usage on every chunk
 
 
-class _Common(_Body):
+class CommonFields(_Body):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -223,7 +224,7 @@ def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=(sampling.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -292,7 +293,7 @@ class ChatMessage(BaseModel):
         return message if self.name is None else {**message, "name": self.name}
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -309,6 +310,11 @@ class ChatCompletionRequest(_Common):
     def check_supported(self) -> None:
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto") and not self.tools:
             raise APIError(400, "tool_choice requires tools", param="tool_choice")
+        if self.tools:
+            try:
+                functions(self.tools)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tools") from exc
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError(
                 400,

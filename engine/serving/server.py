@@ -37,6 +37,8 @@ from superinfer.engine.serving.request_models import (
     TokenizeRequest,
     for_choice,
 )
+from superinfer.engine.serving.responses_output import ResponsesFormat, sse_event
+from superinfer.engine.serving.responses_request import RESPONSES_PARAMS, ResponsesRequest
 from superinfer.engine.serving.tool_parsers import ToolParser, detect_parser, get_parser
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
@@ -193,6 +195,7 @@ class OpenAIServer:
         app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[errors_as_json, self.auth])
         app.router.add_post(c.COMPLETIONS_PATH, self.completions)
         app.router.add_post(c.CHAT_COMPLETIONS_PATH, self.chat_completions)
+        app.router.add_post(c.RESPONSES_PATH, self.responses)
         app.router.add_get(c.MODELS_PATH, self.models)
         app.router.add_get(c.MODELS_PATH + "/{model_id:.+}", self.model)  # ids like "Qwen/Qwen3-8B" have a slash
         app.router.add_get(c.HEALTH_PATH, self.health)
@@ -456,6 +459,29 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_capacity()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        requests, fmt = await self._chat(body, rid)
+        return await self._generate(request, body, rid, requests, fmt)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, answered by the chat pipeline (see `responses_request`)."""
+        body: ResponsesRequest = await self._parse(request, ResponsesRequest)
+        self._check_capacity()
+        rid = f"resp_{uuid.uuid4().hex}"
+        try:
+            chat = validate(ChatCompletionRequest, body.to_chat())
+            chat.check_supported()
+            requests, fmt = await self._chat(chat, rid)
+        except APIError as err:  # name the field as the client sent it
+            err.param = RESPONSES_PARAMS.get(err.param or "", err.param)
+            raise
+        return await self._generate(request, chat, rid, requests, ResponsesFormat(fmt, body, rid))
+
+    async def _chat(
+        self, body: ChatCompletionRequest, rid: str
+    ) -> tuple[list[tuple[list[int], SamplingParams, int]], ChatFormat]:
+        """Render the chat, fix each choice's sampling (with the grammar a forced tool call or
+        response_format sets) and the response's format: the engine requests and how to answer."""
         guided, param = body.guided(), body.guided_field()
         parser = self._tool_parser(body)
         if parser is not None and body.tool_choice not in (None, "auto"):
@@ -471,12 +497,10 @@ class OpenAIServer:
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids), "messages")
         vocab = self.core.model_config.vocab_size
         sampling = body.sampling(max_tokens, body.requested_logprobs(), vocab, guided=guided)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         wants = body.prompt_logprobs is not None
         specs = [ChoiceSpec(j, 0, prompt_token_ids=tuple(ids), prompt_logprobs=wants) for j in range(body.n)]
         requests = [(ids, for_choice(sampling, j), j) for j in range(body.n)]
-        fmt = ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids), parser)
-        return await self._generate(request, body, rid, requests, fmt)
+        return requests, ChatFormat(rid, self.model_name, self.core.tokenizer, specs, len(ids), parser)
 
     async def _generate(
         self,
@@ -484,7 +508,7 @@ class OpenAIServer:
         body: CompletionRequest | ChatCompletionRequest,
         rid: str,
         requests: list[tuple[list[int], SamplingParams, int]],
-        fmt: CompletionFormat,
+        fmt: CompletionFormat | ResponsesFormat,
     ) -> web.StreamResponse:
         """Start one engine request per choice (ids, sampling, its index among its prompt's n) and
         answer with all of them. A prompt's later choices wait for its first to compute the prompt
@@ -509,7 +533,7 @@ class OpenAIServer:
         self,
         request: web.Request,
         streams: list[AsyncIterator[RequestOutput]],
-        fmt: CompletionFormat,
+        fmt: CompletionFormat | ResponsesFormat,
         stream: bool,
         include_usage: bool,
         continuous_usage: bool,
@@ -532,7 +556,10 @@ class OpenAIServer:
             )
             await resp.prepare(request)
             try:
-                await self._stream(resp, it, fmt, first, include_usage, continuous_usage)
+                if isinstance(fmt, ResponsesFormat):
+                    await self._stream_events(resp, it, fmt, first)
+                else:
+                    await self._stream(resp, it, fmt, first, include_usage, continuous_usage)
             except ConnectionResetError:  # the client left mid-stream; closing `it` aborts its requests
                 log.info("request %s: the client disconnected mid-stream", request_id(request))
             return resp
@@ -559,6 +586,30 @@ class OpenAIServer:
         except (ValueError, EngineDeadError) as exc:  # the status line is gone: report in-stream
             await resp.write(sse(engine_error(exc).body()))
         await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+    @staticmethod
+    async def _stream_events(
+        resp: web.StreamResponse,
+        it: AsyncIterator[tuple[int, RequestOutput]],
+        fmt: ResponsesFormat,
+        first: tuple[int, RequestOutput] | None,
+    ) -> None:
+        """The Responses API's stream: typed events, a terminal one last."""
+        for event in fmt.start():
+            await resp.write(sse_event(event))
+        try:
+            if first is not None:
+                for event in fmt.events(*first):
+                    await resp.write(sse_event(event))
+                async for item in it:
+                    for event in fmt.events(*item):
+                        await resp.write(sse_event(event))
+            end = fmt.finish()
+        except (ValueError, EngineDeadError) as exc:  # the status line is gone: report in-stream
+            end = fmt.fail(engine_error(exc))
+        for event in end:
+            await resp.write(sse_event(event))
         await resp.write_eof()
 
     @staticmethod

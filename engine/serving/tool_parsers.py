@@ -626,7 +626,7 @@ def collect(events: Sequence[DeltaEvent]) -> ParsedOutput:
 # tool_choice -> JSON schema of the calls.
 
 
-def _functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+def functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """Function name -> parameters schema, from OpenAI `tools`."""
     if not tools:
         raise ValueError("tool_choice requires tools")
@@ -696,10 +696,10 @@ def tool_call_schema(
     A call is {"name": <function>, <arguments_key>: <its parameters>}."""
     if tool_choice in (None, "none", "auto"):
         return None
-    functions = _functions(tools)
+    params = functions(tools)
     defs: dict[str, Any] = {}
     if tool_choice == "required":
-        calls = [_call_schema(n, p, arguments_key, defs) for n, p in functions.items()]
+        calls = [_call_schema(n, p, arguments_key, defs) for n, p in params.items()]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
@@ -710,9 +710,9 @@ def tool_call_schema(
             raise ValueError(
                 "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}"
             )
-        if name not in functions:
+        if name not in params:
             raise ValueError(
-                f"tool_choice names function {name!r}, which is not among the tools ({', '.join(functions)})"
+                f"tool_choice names function {name!r}, which is not among the tools ({', '.join(params)})"
             )
-        schema = _call_schema(name, functions[name], arguments_key, defs)
+        schema = _call_schema(name, params[name], arguments_key, defs)
     return schema | {"$defs": defs} if defs else schema
