@@ -28,7 +28,7 @@ COPY bench bench
 # wherever it cannot run (a CPU image, an older driver).
 ARG CUDA_BINDINGS_SPEC="cuda-bindings>=12.8,<13"
 RUN pip install ".[operator]" "${CUDA_BINDINGS_SPEC}" \
- && python -c "import superinfer.engine.cli, superinfer.operator.main"
+ && python -c "import superinfer.cli.main, superinfer.operator.main"
 
 FROM python:${PYTHON_VERSION}-slim
 # Triton compiles small launcher stubs at run time and needs a C compiler for that.

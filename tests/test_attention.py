@@ -200,7 +200,9 @@ def test_engine_imports_without_triton(tmp_path) -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"  # `import triton` raises ImportError
         "import torch\n"
-        "from superinfer.engine import cli, engine, server\n"
+        "from superinfer.cli import main\n"
+        "from superinfer.engine import engine\n"
+        "from superinfer.engine.serving import server\n"
         "from superinfer.engine.worker import attention\n"
         "assert not attention._triton_imports()\n"
     )

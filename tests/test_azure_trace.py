@@ -26,7 +26,7 @@ from superinfer.bench.workload import (
     stamp_seconds,
     write_azure_trace,
 )
-from superinfer.engine.cli import main
+from superinfer.cli.main import main
 from superinfer.engine.slo import SLO
 from superinfer.sim.workload_spec import WorkloadSpec, make_workload, trace_rate, trace_speedup
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from superinfer.cli.main import build_parser, main
 from superinfer.engine import contract
-from superinfer.engine.cli import build_parser, main
 from tests.hf_fixtures import make_hf_checkpoint
 
 

@@ -353,7 +353,8 @@ async def test_tp2_in_the_engine_process_gives_the_tokens_of_tp1():
 
 
 def test_the_flag_reaches_the_config() -> None:
-    from superinfer.engine.cli import build_parser, engine_config
+    from superinfer.cli.main import build_parser
+    from superinfer.engine.flags import engine_config
 
     assert engine_config(build_parser().parse_args(["serve", "--engine-process"])).engine_process
     assert not engine_config(build_parser().parse_args(["serve", "--no-engine-process"])).engine_process

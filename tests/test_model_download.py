@@ -26,7 +26,7 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file, save_file
 
-from superinfer.engine.cli import build_parser, engine_config, main
+from superinfer.cli.main import build_parser, main
 from superinfer.engine.download import (
     METADATA_FILES,
     HubRef,
@@ -37,6 +37,7 @@ from superinfer.engine.download import (
     model_snapshot,
 )
 from superinfer.engine.engine import EngineCore
+from superinfer.engine.flags import engine_config
 from superinfer.engine.model.loader import load_model
 from superinfer.engine.model.tiny import ensure_tiny_model
 

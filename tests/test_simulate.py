@@ -13,7 +13,7 @@ import yaml
 
 from superinfer.bench.peer_loads import CLASSES
 from superinfer.bench.workload import WorkItem, mixed_workload, poisson_workload
-from superinfer.engine.cli import main
+from superinfer.cli.main import main
 from superinfer.engine.core.request import RequestStatus
 from superinfer.engine.slo import SLO
 from superinfer.operator.api.inference_service import InferenceServiceSpec
@@ -174,7 +174,7 @@ def test_the_simulator_never_imports_torch(tmp_path):
                     raise ImportError("torch is blocked")
 
         sys.meta_path.insert(0, NoTorch())
-        from superinfer.engine.cli import main
+        from superinfer.cli.main import main
         rc = main(["simulate", "--rates", "20", "--duration", "2", "--policies", "fcfs,rotary",
                    "--gpu-kv-gib", "1", "--no-progress", "--json", {str(tmp_path / "out.json")!r}])
         assert rc == 0, rc

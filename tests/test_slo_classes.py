@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from superinfer.bench.replay import replay
 from superinfer.bench.workload import WorkItem
+from superinfer.cli.main import main
 from superinfer.engine import contract as c
-from superinfer.engine.cli import main
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import Request
 from superinfer.engine.engine import EngineCore

@@ -11,10 +11,11 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
+from superinfer.cli.main import build_parser, main
 from superinfer.engine import contract as c
-from superinfer.engine.cli import build_parser, engine_config, main
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
+from superinfer.engine.flags import engine_config
 from superinfer.engine.metrics import LATENCY_BUCKETS, EngineMetrics
 from superinfer.engine.serving.server import RunningServer, start_server
 from superinfer.engine.slo import SLO

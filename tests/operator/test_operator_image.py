@@ -38,7 +38,7 @@ def test_no_architecture_is_hard_coded():
 
 def test_both_entrypoints_exist():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["superinfer"].startswith("superinfer.engine.cli:")
+    assert scripts["superinfer"].startswith("superinfer.cli.main:")
     assert importlib.util.find_spec("superinfer.operator.__main__") is not None
     assert 'CMD ["superinfer", "serve"' in DOCKERFILE
     assert "superinfer.operator.main" in DOCKERFILE  # imported at build time

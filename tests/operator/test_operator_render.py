@@ -9,9 +9,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from superinfer.cli.main import build_parser
 from superinfer.engine import contract
-from superinfer.engine.cli import build_parser, engine_config
 from superinfer.engine.config import EngineConfig
+from superinfer.engine.flags import engine_config
 from superinfer.engine.slo_classes import SLOClass
 from superinfer.operator.api import names
 from superinfer.operator.api.inference_service import InferenceServiceSpec
