@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from superinfer.operator.api.conditions import FALSE, TRUE, UNKNOWN, Cond
 from superinfer.operator.api.inference_service import InferenceServiceSpec
 from superinfer.operator.autoscaling.class_pressure import (
     ClassLatency,
@@ -36,7 +37,6 @@ from superinfer.operator.autoscaling.class_pressure import (
 )
 from superinfer.operator.autoscaling.latency_model import LatencyModel, predict_ttft
 from superinfer.operator.autoscaling.pod_metrics import WindowStats
-from superinfer.operator.controller.conditions import FALSE, TRUE, UNKNOWN, Cond
 
 Action = Literal["ScaleUp", "ScaleDown", "Hold"]
 WAITING_PER_REPLICA = 4.0  # queued requests per replica that count as saturation

@@ -1,4 +1,4 @@
-"""Kopf wiring: which events run which reconciliation (the logic: reconcile.py, autoscaling/tick.py).
+"""Kopf wiring: which events run which reconciliation (the logic: reconcile.py, scaling_tick.py).
 
 No handler needs a finalizer: children carry owner references, so the cluster's garbage collector
 deletes them with their InferenceService, and nothing blocks deleting one after `helm uninstall`.
@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 
 from superinfer.operator.api import names
-from superinfer.operator.autoscaling import tick
+from superinfer.operator.controller import scaling_tick
 from superinfer.operator.controller.kube_client import (
     DEPLOYMENTS,
     INFERENCEPOOLS,
@@ -68,7 +68,7 @@ async def autoscale(state: State, key: tuple[str, str]) -> None:
     if body is None:
         return
     try:
-        decision = await tick.tick(state, body, log)
+        decision = await scaling_tick.tick(state, body, log)
         if decision is not None:
             await resync(state, *key)  # status carries the decision; a /scale write changed the spec
     except Exception:  # one service's failure must not stop the others' autoscaling

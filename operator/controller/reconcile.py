@@ -13,12 +13,12 @@ from typing import Any
 
 import kopf
 
-from superinfer.operator.api import names
+from superinfer.operator.api import conditions, names
+from superinfer.operator.api.conditions import Observed
 from superinfer.operator.api.inference_service import InferenceServiceSpec
 from superinfer.operator.api.validation import validate
-from superinfer.operator.controller import conditions, events
+from superinfer.operator.controller import events
 from superinfer.operator.controller.apply import NotOurs, apply
-from superinfer.operator.controller.conditions import Observed
 from superinfer.operator.controller.kube_client import (
     BY_KIND,
     DEPLOYMENTS,

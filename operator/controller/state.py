@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from superinfer.engine import contract
 from superinfer.operator.api import names
+from superinfer.operator.api.conditions import Cond
 from superinfer.operator.autoscaling.decision import Memory
 from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import Window
 from superinfer.operator.autoscaling.prometheus_window import PrometheusSource
-from superinfer.operator.controller.conditions import Cond
 from superinfer.operator.controller.kube_client import PODMONITORS, PODS, Kube, Login, Res
 from superinfer.operator.observability.operator_metrics import OperatorMetrics
 

@@ -14,12 +14,11 @@ import pytest
 import yaml
 
 from superinfer.operator import generate
-from superinfer.operator.api import names, quantity
+from superinfer.operator.api import conditions, names, quantity
 from superinfer.operator.api.crd import build_crd
 from superinfer.operator.api.inference_service import InferenceService, InferenceServiceSpec
 from superinfer.operator.api.openapi_schema import structural_problems
 from superinfer.operator.api.validation import validate
-from superinfer.operator.controller import conditions
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

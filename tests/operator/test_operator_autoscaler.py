@@ -21,8 +21,8 @@ from superinfer.operator.autoscaling.pod_metrics import (
     parse,
     pooled,
 )
-from superinfer.operator.autoscaling.tick import memory_status, record, restore, tick
 from superinfer.operator.controller.kube_client import Kube
+from superinfer.operator.controller.scaling_tick import memory_status, record, restore, tick
 from superinfer.operator.controller.state import Config, Scaler, State
 
 SPEC = InferenceServiceSpec.model_validate(

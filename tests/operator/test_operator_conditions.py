@@ -3,8 +3,8 @@ admin's action is what Ready reports, before what is still in progress."""
 
 from __future__ import annotations
 
-from superinfer.operator.controller import conditions
-from superinfer.operator.controller.conditions import Observed
+from superinfer.operator.api import conditions
+from superinfer.operator.api.conditions import Observed
 from superinfer.operator.controller.reconcile import status_changed
 from tests.operator.test_operator_kmock import pod
 

@@ -10,14 +10,15 @@ from typing import Any
 
 import aiohttp
 
+from superinfer.operator.api import conditions
+from superinfer.operator.api.conditions import FALSE, Cond
 from superinfer.operator.api.inference_service import MAX_SLO_CLASSES, InferenceServiceSpec
 from superinfer.operator.api.validation import validate
 from superinfer.operator.autoscaling import pod_metrics, prometheus_window
 from superinfer.operator.autoscaling.decision import Decision, Memory, Observation, Params, decide, window_classes
 from superinfer.operator.autoscaling.latency_model import LatencyModel
 from superinfer.operator.autoscaling.pod_metrics import WindowStats
-from superinfer.operator.controller import conditions, events
-from superinfer.operator.controller.conditions import FALSE, Cond
+from superinfer.operator.controller import events
 from superinfer.operator.controller.kube_client import ApiError
 from superinfer.operator.controller.reconcile import ISVC
 from superinfer.operator.controller.state import Scaler, State, pod_metrics_url
