@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from superinfer.engine.worker import attention
+from superinfer.engine.worker import attention_backend
 from superinfer.engine.worker.attention import (
     AttentionGroup,
     PagedAttention,
     SeqSpan,
     allocate_kv_cache,
     plan_attention,
-    resolve_backend,
 )
+from superinfer.engine.worker.attention_backend import resolve_backend
 from superinfer.engine.worker.cpu_attention import cpu_attention
 
 LAYERS, KV_HEADS, HEADS, DIM = 2, 2, 4, 16
@@ -163,14 +163,14 @@ def test_backend_choice_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_backend("torch", cuda, HEADS) == "torch"
     with pytest.raises(ValueError, match="runs on the CPU, not cuda"):
         resolve_backend("cpu", cuda, HEADS)
-    monkeypatch.setattr(attention, "_triton_imports", lambda: True)
+    monkeypatch.setattr(attention_backend, "_triton_imports", lambda: True)
     assert resolve_backend("auto", cuda, HEADS) == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         resolve_backend("triton", cpu, HEADS)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("triton", cpu, HEADS) == "triton"
-    monkeypatch.setattr(attention, "_triton_imports", lambda: False)
+    monkeypatch.setattr(attention_backend, "_triton_imports", lambda: False)
     assert resolve_backend("auto", cuda, HEADS) == "torch"
     with pytest.raises(ValueError, match="triton is not installed"):
         resolve_backend("triton", cuda, HEADS)
@@ -192,7 +192,7 @@ def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_run(
     odd = torch.zeros((4, 1, 2, 16, 1, 24))
     with pytest.raises(ValueError, match="head_dim that is a multiple of 16, not 24"):
         resolve_backend("cpu", odd, 1)
-    monkeypatch.setattr(attention, "_cpu_kernel_problem", lambda *_: "no C compiler")
+    monkeypatch.setattr(attention_backend, "_cpu_kernel_problem", lambda *_: "no C compiler")
     assert resolve_backend("auto", _cache(), HEADS) == "torch"
 
 
@@ -203,8 +203,8 @@ def test_engine_imports_without_triton(tmp_path) -> None:
         "from superinfer.cli import main\n"
         "from superinfer.engine import engine\n"
         "from superinfer.engine.serving import server\n"
-        "from superinfer.engine.worker import attention\n"
-        "assert not attention._triton_imports()\n"
+        "from superinfer.engine.worker import attention_backend\n"
+        "assert not attention_backend._triton_imports()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # not the root: its operator/
 

@@ -40,7 +40,8 @@ from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.worker.attention import SeqSpan, attention_backend, torch_attention
+from superinfer.engine.worker.attention import SeqSpan, torch_attention
+from superinfer.engine.worker.attention_backend import attention_backend
 from superinfer.engine.worker.copy_methods import copy_kernel
 from superinfer.engine.worker.duplex import DuplexKV
 from superinfer.engine.worker.triton_attention import TritonPagedAttention, token_slots

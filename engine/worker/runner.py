@@ -31,7 +31,8 @@ from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.model.moe import SparseMoE
 from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.worker import copy_methods
-from superinfer.engine.worker.attention import SeqSpan, attention_backend
+from superinfer.engine.worker.attention import SeqSpan
+from superinfer.engine.worker.attention_backend import attention_backend
 from superinfer.engine.worker.block_rows import BlockRows
 from superinfer.engine.worker.device_tensor import device_tensor
 from superinfer.engine.worker.duplex import CopyStats, DuplexKV, DuplexMode, StepCopies, tier_boundary
@@ -213,7 +214,7 @@ class ModelRunner:
         attention: str = "auto",
         copy_method: str = "auto",
     ) -> None:
-        """`attention`: the attention backend, auto, torch, cpu or triton (see attention.attention_backend);
+        """`attention`: the attention backend, auto, torch, cpu or triton (see attention_backend.py);
         `copy_method`: how KV copies between tiers are issued, auto or a copy_methods.METHODS entry."""
         self.model = model
         self.tp = model.tp
