@@ -23,16 +23,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import itemgetter
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from superinfer.engine.core.ranking_columns import RankingColumns
 from superinfer.engine.core.request import Request, RequestStatus
 from superinfer.engine.core.running_batch import RunningBatch
-
-if TYPE_CHECKING:
-    from superinfer.engine.core.scheduler import Scheduler
+from superinfer.engine.core.scheduler_view import SchedulerView
 
 
 @dataclass
@@ -53,7 +51,7 @@ class Policy(Protocol):
     name: str
     uses_cpu_tier: bool
 
-    def decide(self, sched: Scheduler, now: float) -> Decision: ...
+    def decide(self, sched: SchedulerView, now: float) -> Decision: ...
 
     def victim(self, running: RunningBatch, first: int, now: float) -> Request:
         """Out of blocks mid-step: which of the running requests from the `first`-th on (in
@@ -77,7 +75,7 @@ class FCFSPolicy:
     name = "fcfs"
     uses_cpu_tier = False
 
-    def decide(self, sched: Scheduler, now: float) -> Decision:
+    def decide(self, sched: SchedulerView, now: float) -> Decision:
         return Decision(admit=[*sched.waiting, *sched.rotary])
 
     def victim(self, running: RunningBatch, first: int, now: float) -> Request:
@@ -229,7 +227,7 @@ def _live_stats(
     return count, tokens, min_tbt_ms, turn_end
 
 
-def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
+def tbt_guard(sched: SchedulerView, now: float, headroom: float) -> TBTGuard | None:
     """SLO-aware admission: from measured step times, how much new work the requests that already
     stream tokens (running, rotary, or waiting again after a recompute) can take while each still
     gets a token within `headroom` x its TBT SLO (its turn). With n of the D live requests fitting
@@ -268,7 +266,7 @@ def tbt_guard(sched: Scheduler, now: float, headroom: float) -> TBTGuard | None:
         return None
     kv = sched.kv
     turn = headroom * min_tbt_ms / 1000.0
-    fit = max(1, min(sched.config.max_num_seqs, kv.num_blocks * d // max(1, kv.blocks_for(tokens) + d)))
+    fit = max(1, min(sched.max_num_seqs, kv.num_blocks * d // max(1, kv.blocks_for(tokens) + d)))
 
     def gap(num_live: int) -> float:
         n = min(num_live, fit)
@@ -297,7 +295,7 @@ def _due_in_columns(cols: RankingColumns, now: float) -> bool:
     return bool(np.any(now >= cols.np_t_last[slots] + STALL_DUE_SHARE * cols.np_stall_ms[slots] / 1000.0))
 
 
-def _top_priority_off_gpu(sched: Scheduler) -> int | None:
+def _top_priority_off_gpu(sched: SchedulerView) -> int | None:
     """The highest priority among the started streams off the GPU (rotated out, or waiting again
     after a recompute); None if there is none."""
     few = sched.rows_per_vector
@@ -318,7 +316,7 @@ def _top_priority_off_gpu(sched: Scheduler) -> int | None:
     return max((p for p in (top, on_time, restarted) if p is not None), default=None)
 
 
-def _started_stream_due(sched: Scheduler, now: float) -> bool:
+def _started_stream_due(sched: SchedulerView, now: float) -> bool:
     """Some started stream off the GPU is due to come back (stall_due_at)."""
     few = sched.rows_per_vector
     if len(sched.rotary_on_time) < few:
@@ -333,7 +331,7 @@ def _started_stream_due(sched: Scheduler, now: float) -> bool:
     return _due_in_columns(sched.waiting_columns, now)
 
 
-def _ttft_lost_waiting(sched: Scheduler, now: float) -> bool:
+def _ttft_lost_waiting(sched: SchedulerView, now: float) -> bool:
     """Some new request in the queue has already lost its TTFT SLO."""
     if len(sched.waiting) < sched.rows_per_vector:
         return any(r._t_last_token is None and now > _ttft_deadline(r) for r in sched.waiting)
@@ -343,7 +341,7 @@ def _ttft_lost_waiting(sched: Scheduler, now: float) -> bool:
     return bool(np.any(np.isnan(cols.np_t_last[slots]) & (now > deadline)))
 
 
-def stall_hold(sched: Scheduler, now: float) -> int | None:
+def stall_hold(sched: SchedulerView, now: float) -> int | None:
     """The priority at and below which no new request may start this step, for the sake of the
     started streams off the GPU (rotated out, or waiting again after a recompute): theirs, while
     one is due to come back (stall_due_at), and, once the load has outrun what rotation can save
@@ -366,7 +364,7 @@ def stall_hold(sched: Scheduler, now: float) -> int | None:
 # (numpy's cost per call exceeds the loop's there), in vector operations from there on.
 
 
-def _growth_blocks(sched: Scheduler, by_row: bool) -> int:
+def _growth_blocks(sched: SchedulerView, by_row: bool) -> int:
     """GPU blocks the running requests need for their next step: kv.growth_blocks of each for its
     next_tokens."""
     b, slots, bs = sched.batch, sched.batch.order, sched.kv.block_size
@@ -445,7 +443,7 @@ def _ttft_slack(now: float, r: Request) -> tuple[bool, float]:
 
 
 def _unheld_waiting(
-    sched: Scheduler, allowed: int | None, hold_priority: int | None, now: float
+    sched: SchedulerView, allowed: int | None, hold_priority: int | None, now: float
 ) -> tuple[list[Request], np.ndarray | None, int]:
     """The waiting requests that may start this step, in queue order: all but the new ones of
     `hold_priority` or below (None: none of those), and of the others those past the `allowed`
@@ -513,7 +511,7 @@ def _keys_in_columns(cols: RankingColumns, slots: np.ndarray, now: float, p: Rot
 
 
 def _lagging_ranked(
-    sched: Scheduler, p: RotaryParams, waiting: list[Request], waiting_slots: np.ndarray | None, now: float
+    sched: SchedulerView, p: RotaryParams, waiting: list[Request], waiting_slots: np.ndarray | None, now: float
 ) -> tuple[list[Request], np.ndarray, np.ndarray, list[Request]]:
     """The lagging ones (`_lags`) of `waiting` and of the rotary requests as `rank` orders them,
     with each one's admission blocks and copies bound where the rotary columns know them (-1: to
@@ -536,8 +534,8 @@ def _lagging_ranked(
             else:
                 patient.append(r)
         ranked = [r for _, r in sorted(lagging, key=itemgetter(0))]
-        # A rotary one's blocks are known while none of its content is in use (Scheduler._swap_in_blocks).
-        known = {} if sched.kv.pool.watched_in_use else sched._swap_in_blocks
+        # A rotary one's blocks are known while none of its content is in use (SchedulerView.known_swap_in_blocks).
+        known = {} if sched.kv.pool.watched_in_use else sched.known_swap_in_blocks
         blocks = [known.get(r, 0) or -1 for r in ranked]
         bounds = [sched.admission_copies_bound(r) if n > 0 else -1 for r, n in zip(ranked, blocks, strict=True)]
         return ranked, np.array(blocks, dtype=np.int64), np.array(bounds, dtype=np.int64), patient + lost
@@ -598,7 +596,7 @@ class RotaryPolicy:
     def __init__(self, params: RotaryParams | None = None) -> None:
         self.params = params or RotaryParams()
 
-    def decide(self, sched: Scheduler, now: float) -> Decision:
+    def decide(self, sched: SchedulerView, now: float) -> Decision:
         kv, p = sched.kv, self.params
         by_row = sched.num_running < sched.rows_per_vector
         if not sched.waiting and not sched.rotary and not _prefilling(sched.batch, by_row):
@@ -705,7 +703,7 @@ class RotaryPolicy:
         )
 
     @staticmethod
-    def _may_rotate_out(sched: Scheduler, req: Request, now: float, residency_s: float) -> bool:
+    def _may_rotate_out(sched: SchedulerView, req: Request, now: float, residency_s: float) -> bool:
         """A running decode that has stayed `residency_s` (no thrash: one rotation buys several
         tokens; one whose TBT SLO is already missed may leave at once) and will still compute after
         its pending token."""
@@ -743,7 +741,7 @@ class WatermarkPolicy:
     def __init__(self, watermark_blocks: int) -> None:
         self.watermark_blocks = watermark_blocks
 
-    def decide(self, sched: Scheduler, now: float) -> Decision:
+    def decide(self, sched: SchedulerView, now: float) -> Decision:
         rotate_out = []
         free = sched.kv.num_free_blocks
         for r in sorted(sched.running, key=lambda r: r.t_run or 0.0):

@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import MutableSequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.guided import GuidedSpec
 from superinfer.engine.slo import SLO
 
-if TYPE_CHECKING:
-    from superinfer.engine.core.running_batch import RunningBatch
+
+class SlotColumns(Protocol):
+    """What a running request keeps in the scheduler's RunningBatch (core/running_batch.py): its
+    counters, at its slot in each column, and the tails of its newest gaps and tokens."""
+
+    computed: MutableSequence[int]
+    pending: MutableSequence[int]
+    last_step: MutableSequence[int]
+    prev_step: MutableSequence[int]
+    num_tokens: MutableSequence[int]
+    tail_gaps: MutableSequence[int]
+    tail_tokens: MutableSequence[int]
+    t_last: MutableSequence[float]
+    max_gap: MutableSequence[float]
+
+    def flush_gaps(self, slot: int) -> None: ...
+
+    def flush_tokens(self, slot: int) -> None: ...
 
 
 class RequestStatus(enum.Enum):
@@ -123,7 +140,7 @@ class Request:
     _step_before_last: int = field(default=0, init=False, repr=False)
     _t_last_token: float | None = field(default=None, init=False, repr=False)
     _max_gap_s: float = field(default=0.0, init=False, repr=False)
-    _batch: RunningBatch | None = field(default=None, init=False, repr=False)  # while it runs
+    _batch: SlotColumns | None = field(default=None, init=False, repr=False)  # while it runs
     _slot: int = field(default=-1, init=False, repr=False)
     block_ids: list[int] = field(default_factory=list)  # GPU block table; plans share it, so it is replaced, not grown
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block

@@ -333,6 +333,14 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.batch.order)
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def known_swap_in_blocks(self) -> dict[Request, int]:
+        return self._swap_in_blocks
+
     def guard_figures(self) -> dict[str, float]:
         """For the benchmarks' reports: the share of steps in which the TBT guard kept new requests
         out (of those, all because a streaming request had waited its whole turn, rather than the
