@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo import SLO
 from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from superinfer.engine.wire import Abort, AddRequest, Command, Finish, Scrape, Stop
 from superinfer.engine.worker.host_memory import (
     HOST_FRACTION,
     MAX_HOST_FRACTION,
@@ -431,12 +433,24 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class FailsOnce:
-    """What both engine front ends (thread, process) do on a fatal error: remember the first one
-    and let the event loop end every live request (`_fail_live`)."""
+class EngineClient:
+    """What the server holds of the engine, whether its core runs on a thread of this process
+    (AsyncEngine) or in a process of its own (engine/process.py's ProcessEngine): `generate`,
+    which sends commands (engine/wire.py) and streams a request's outputs, and failing once."""
 
     error: BaseException | None
+    core: Any  # EngineCore, or the process's CoreView: its limits, tokenizer, SLO classes, clock
     _loop: asyncio.AbstractEventLoop | None
+    _streams: dict[str, Any]  # the live requests'
+
+    def _open(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Register a new request's stream; the queue its outputs arrive on."""
+        raise NotImplementedError
+
+    def _send(self, command: Command) -> None:
+        raise NotImplementedError
 
     def _fail_live(self, exc: BaseException) -> None:
         raise NotImplementedError
@@ -450,13 +464,51 @@ class FailsOnce:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._fail_live, exc)
 
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        slo: SLO | None = None,
+        priority: int | None = None,
+        slo_class: str = DEFAULT_SLO_CLASS,
+        after: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; leaving early aborts it. A request the
+        engine refuses (too long for the context or the KV pool) raises its ValueError, before
+        any output.
+
+        `after`: a live request with the same prompt; this one starts once that one has computed
+        the prompt (its first token), to share the prompt's KV blocks through the prefix cache.
+        Its arrival time, for its SLO, is still now."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.error}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already live")
+        outputs = self._open(request_id, prompt_token_ids, sampling)
+        arrival = self.core.clock()
+        self._send(AddRequest(request_id, prompt_token_ids, sampling, slo, priority, arrival, slo_class, after))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(Abort(request_id))
+
 
 Delivery = list[tuple[str, RequestOutput | BaseException]]
 
 
 class EngineLoop:
     """The step loop around an EngineCore, run by the thread that calls `run`: between steps it
-    applies the queued commands (add, abort, finish, stop, and those `handlers` name), steps while
+    applies the queued commands (engine/wire.py; a scrape goes to `on_scrape`), steps while
     there is work, and hands each step's outputs to `deliver` in one call. AsyncEngine runs it on a
     thread of the server's process, the engine process (engine/process.py) on its main thread."""
 
@@ -465,16 +517,16 @@ class EngineLoop:
         core: EngineCore,
         deliver: Callable[[Delivery], None],
         fail: Callable[[BaseException], None],
-        handlers: dict[str, Callable[[tuple], None]] | None = None,
+        on_scrape: Callable[[Scrape], None] | None = None,
     ) -> None:
         self.core = core
-        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._deliver = deliver
         self._fail = fail
-        self._handlers = handlers or {}
+        self._on_scrape = on_scrape
         # Requests held back until the request they share a prompt with has computed it, so that
         # they find its KV in the prefix cache instead of computing it again (n > 1).
-        self._held: dict[str, list[tuple]] = {}
+        self._held: dict[str, list[AddRequest]] = {}
 
     def run(self) -> None:
         """Until a `stop` command, or a step fails (then `fail` is called with its error)."""
@@ -484,7 +536,7 @@ class EngineLoop:
             except queue.Empty:
                 command = None
             while command is not None:
-                if command[0] == "stop":
+                if type(command) is Stop:
                     return
                 self._apply(command)
                 try:
@@ -516,10 +568,9 @@ class EngineLoop:
         for command in self._held.pop(request_id, ()):
             self._apply(command)
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, rid, prompt, sampling, slo, priority, arrival, slo_class, after = command
+    def _apply(self, command: Command) -> None:
+        if type(command) is AddRequest:
+            rid, prompt, sampling, slo, priority, arrival, slo_class, after = command
             if self._holds(after):
                 self._held.setdefault(after, []).append(command)
                 return
@@ -533,20 +584,20 @@ class EngineLoop:
                 self._deliver([(rid, RuntimeError(f"internal error adding the request: {exc}"))])
             if rid not in self.core.scheduler.requests:  # refused, or finished at once
                 self._release_held(rid)
-        elif kind in ("abort", "finish"):
-            rid = command[1]
+        elif type(command) in (Abort, Finish):
+            rid = command.request_id
             for held in self._held.values():
-                held[:] = [h for h in held if h[1] != rid]
-            if kind == "abort":
+                held[:] = [h for h in held if h.request_id != rid]
+            if type(command) is Abort:
                 self.core.abort(rid)
             else:
                 self.core.finish(rid)
             self._release_held(rid)
-        else:
-            self._handlers[kind](command)
+        elif type(command) is Scrape and self._on_scrape is not None:
+            self._on_scrape(command)
 
 
-class AsyncEngine(FailsOnce):
+class AsyncEngine(EngineClient):
     """EngineCore on its own thread; `generate` streams a request's outputs to a coroutine."""
 
     def __init__(self, core: EngineCore) -> None:
@@ -583,7 +634,7 @@ class AsyncEngine(FailsOnce):
         """Stop the engine thread (after its current step; at most `timeout_s` if given: a thread
         blocked on a dead device is left behind), then the core's worker processes."""
         if self._thread is not None:
-            self.loop.commands.put(("stop",))
+            self.loop.commands.put(Stop())
             try:
                 await asyncio.wait_for(asyncio.to_thread(self._thread.join), timeout_s)
             except asyncio.TimeoutError:
@@ -595,44 +646,16 @@ class AsyncEngine(FailsOnce):
         self._dispatch([(rid, EngineDeadError(f"the engine failed: {exc}")) for rid in list(self._streams)])
         self.died.set()
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        slo: SLO | None = None,
-        priority: int | None = None,
-        slo_class: str = DEFAULT_SLO_CLASS,
-        after: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; leaving early aborts it.
-
-        `after`: a live request with the same prompt; this one starts once that one has computed
-        the prompt (its first token), to share the prompt's KV blocks through the prefix cache.
-        Its arrival time, for its SLO, is still now."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.error}")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already live")
+    def _open(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
         self.core.validate(len(prompt_token_ids), sampling)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = outputs
-        arrival = self.core.clock()
-        commands = self.loop.commands
-        commands.put(("add", request_id, prompt_token_ids, sampling, slo, priority, arrival, slo_class, after))
-        finished = False
-        try:
-            while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                commands.put(("abort", request_id))
+        return outputs
+
+    def _send(self, command: Command) -> None:
+        self.loop.commands.put(command)
 
     def _deliver(self, items: Delivery) -> None:
         if items and self._loop is not None:

@@ -4,19 +4,16 @@ The server's process keeps HTTP, JSON, tokenization, chat templates, grammar che
 engine cannot follow is a 400 before anything is sent), detokenization and stop strings, SSE and
 /metrics exposition. A child process (spawned, like the tensor-parallel ranks) runs the EngineCore:
 scheduler, model step, sampling and grammar masks, and with `-tp N` the rank-0 role (it spawns the
-other ranks itself). They talk over one multiprocessing pipe, in plain picklable tuples:
+other ranks itself). They talk over one multiprocessing pipe, in the messages of engine/wire.py:
 
-    server -> engine   ("add", rid, prompt ids, SamplingParams, slo, priority, arrival, class, after)
-                       ("abort", rid)    the client left
-                       ("finish", rid)   a stop string matched in the text (the engine counts the
-                                         request finished with reason "stop")
-                       ("metrics", n)    a scrape: the engine answers with its registry's text
-                       ("stop",)         after the server drained
-    engine -> server   ("ready", CoreInfo) | ("error", exception)   at startup
-                       ("out", [(rid, wire output | exception), ...], (running, waiting, rotary))
-                                         one message per step, every request's new token in it
-                       ("metrics", n, text)
-                       ("dead", message) a step failed or a rank died; the process then exits 1
+    server -> engine   AddRequest, Abort (the client left), Finish (a stop string matched in the
+                       text: the engine counts the request finished with reason "stop"), Scrape
+                       (the engine answers with its registry's text), Stop (the server drained)
+    engine -> server   Ready(CoreInfo) | StartFailed(exception)   at startup
+                       Outputs: one per step, every request's new tokens in it (WireOutput), and
+                       the queues' sizes
+                       MetricsPage(scrape id, text)
+                       Died(message): a step failed or a rank died; the process then exits 1
 
 The Prometheus registry stays where it is updated, in the engine process; a scrape asks it for a
 text snapshot through the pipe, after the commands sent before it (so a request the server has
@@ -41,7 +38,6 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -50,29 +46,35 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from superinfer.engine.config import EngineConfig
-from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.request import SamplingParams
-from superinfer.engine.engine import Delivery, EngineCore, EngineDeadError, EngineLoop, FailsOnce
+from superinfer.engine.engine import Delivery, EngineClient, EngineCore, EngineDeadError, EngineLoop
 from superinfer.engine.model.config import ModelConfig
 from superinfer.engine.output import RequestOutput, TextStream
-from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass
 from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from superinfer.engine.wire import (
+    Command,
+    Died,
+    Finish,
+    MetricsPage,
+    Outputs,
+    Ready,
+    Scrape,
+    StartFailed,
+    Stop,
+    WireOutput,
+)
 
 log = logging.getLogger("superinfer.engine")
 
 STOP_TIMEOUT_S = 60.0  # a stopping engine finishes its step, then its ranks; past this it is killed
 METRICS_TIMEOUT_S = 10.0  # a scrape waits this long for the engine (it answers between steps)
 
-# One output on the wire: (token ids, logprobs, finished, finish reason, prompt tokens, output
-# tokens, cached tokens, prompt logprobs); the server adds the text.
-WireOutput = tuple
-
 
 def to_wire(out: RequestOutput) -> WireOutput:
-    return (
+    return WireOutput(
         out.token_ids,
         out.logprobs,
         out.finished,
@@ -122,7 +124,7 @@ class _Stream:
     text: TextStream
 
 
-class ProcessEngine(FailsOnce):
+class ProcessEngine(EngineClient):
     """AsyncEngine's interface with the EngineCore in a child process: `generate` streams a
     request's outputs, detokenized here."""
 
@@ -182,9 +184,9 @@ class ProcessEngine(FailsOnce):
         except (EOFError, OSError):
             self._proc.join(5.0)
             raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while starting") from None
-        if message[0] == "error":
-            raise message[1]
-        return message[1]
+        if isinstance(message, StartFailed):
+            raise message.error
+        return message.info
 
     async def stop(self, timeout_s: float | None = None) -> None:
         """Stop the engine process after its current step (killed past `timeout_s`, default
@@ -192,7 +194,7 @@ class ProcessEngine(FailsOnce):
         if self._proc is None:
             return
         self._stopping = True
-        self._send(("stop",))
+        self._send(Stop())
         await asyncio.to_thread(self._proc.join, STOP_TIMEOUT_S if timeout_s is None else timeout_s)
         if self._proc.is_alive():
             log.warning("the engine process did not stop within %.0f s: killing it", timeout_s or STOP_TIMEOUT_S)
@@ -211,7 +213,7 @@ class ProcessEngine(FailsOnce):
                 scrape.set_result(self._last_metrics)
         self.died.set()
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Command) -> None:
         with contextlib.suppress(OSError, ValueError):  # the engine is gone: the reader reports it
             self._pipe.send(message)  # type: ignore[union-attr]
 
@@ -223,8 +225,8 @@ class ProcessEngine(FailsOnce):
                 message = self._pipe.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "dead":
-                self.fail(RuntimeError(message[1]))
+            if isinstance(message, Died):
+                self.fail(RuntimeError(message.message))
             else:
                 self._loop.call_soon_threadsafe(self._on_message, message)
         if not self._stopping:
@@ -234,15 +236,14 @@ class ProcessEngine(FailsOnce):
             code = proc.exitcode if proc is not None else None
             self.fail(RuntimeError(f"the engine process exited (code {code})"))
 
-    def _on_message(self, message: tuple) -> None:
-        if message[0] == "out":
-            _, items, self._counts = message
-            self._dispatch(items)
-        elif message[0] == "metrics":
-            _, scrape_id, text = message
-            scrape = self._scrapes.get(scrape_id)
+    def _on_message(self, message: Outputs | MetricsPage) -> None:
+        if isinstance(message, Outputs):
+            self._counts = message.counts
+            self._dispatch(message.items)
+        else:
+            scrape = self._scrapes.get(message.scrape_id)
             if scrape is not None and not scrape.done():
-                scrape.set_result(text)
+                scrape.set_result(message.text)
 
     def _dispatch(self, items: list[tuple[str, WireOutput | BaseException]]) -> None:
         for rid, item in items:
@@ -258,7 +259,7 @@ class ProcessEngine(FailsOnce):
                 text.feed(token, last=finished and i == len(token_ids) - 1)
             if text.stopped:  # a stop string matched (also on the very last token): the engine ends it too
                 if not finished:
-                    self._send(("finish", rid))
+                    self._send(Finish(rid))
                 finished, reason = True, "stop"
             if finished:
                 del self._streams[rid]
@@ -276,49 +277,22 @@ class ProcessEngine(FailsOnce):
             return self._last_metrics
         scrape_id = next(self._scrape_ids)
         scrape = self._scrapes[scrape_id] = self._loop.create_future()
-        self._send(("metrics", scrape_id))
+        self._send(Scrape(scrape_id))
         try:
             self._last_metrics = await asyncio.wait_for(scrape, METRICS_TIMEOUT_S)
         finally:
             self._scrapes.pop(scrape_id, None)
         return self._last_metrics
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        slo: SLO | None = None,
-        priority: int | None = None,
-        slo_class: str = DEFAULT_SLO_CLASS,
-        after: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """As AsyncEngine.generate; a request the engine refuses (too long for the context or the
-        KV pool) raises its ValueError here, before any output."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.error}")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already live")
+    def _open(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
         tokenizer = self.core.tokenizer if self.core is not None else None
         skip = sampling.skip_special_tokens
         detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip) if tokenizer else None
         stream = _Stream(asyncio.Queue(), TextStream(detok, sampling.stop, sampling.include_stop_str_in_output))
         self._streams[request_id] = stream
-        arrival = time.monotonic()
-        self._send(("add", request_id, prompt_token_ids, sampling, slo, priority, arrival, slo_class, after))
-        finished = False
-        try:
-            while not finished:
-                out = await stream.outputs.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id))
+        return stream.outputs
 
 
 # --- the engine process ------------------------------------------------------------------------------
@@ -331,9 +305,9 @@ class _EngineProcess:
         self.pipe = pipe
         self._send_lock = threading.Lock()
         self.failed = False
-        self.loop = EngineLoop(core, self._deliver, self._fail, handlers={"metrics": self._metrics})
+        self.loop = EngineLoop(core, self._deliver, self._fail, on_scrape=self._metrics)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Ready | StartFailed | Outputs | MetricsPage | Died) -> None:
         with self._send_lock:
             self.pipe.send(message)
 
@@ -349,28 +323,28 @@ class _EngineProcess:
             try:
                 message = self.pipe.recv()
             except (EOFError, OSError):  # the server is gone
-                commands.put(("stop",))
+                commands.put(Stop())
                 return
             commands.put(message)
-            if message[0] == "stop":
+            if type(message) is Stop:
                 return
 
     def _deliver(self, items: Delivery) -> None:
         scheduler = self.core.scheduler
         wire = [(rid, item if isinstance(item, BaseException) else to_wire(item)) for rid, item in items]
         counts = (scheduler.num_running, scheduler.num_waiting, scheduler.num_rotary)
-        self.send(("out", wire, counts))
+        self.send(Outputs(wire, counts))
 
-    def _metrics(self, command: tuple) -> None:
-        self.send(("metrics", command[1], self.core.metrics.render()))
+    def _metrics(self, command: Scrape) -> None:
+        self.send(MetricsPage(command.scrape_id, self.core.metrics.render()))
 
     def _fail(self, exc: BaseException) -> None:
         if self.failed:
             return
         self.failed = True
         with contextlib.suppress(OSError):
-            self.send(("dead", str(exc)))
-        self.loop.commands.put(("stop",))  # a rank died while the loop waits for commands
+            self.send(Died(str(exc)))
+        self.loop.commands.put(Stop())  # a rank died while the loop waits for commands
 
 
 def _engine_main(config: EngineConfig, pipe: Connection, log_level: int) -> None:
@@ -385,12 +359,12 @@ def _engine_main(config: EngineConfig, pipe: Connection, log_level: int) -> None
         else:
             log.exception("the engine failed to start")
         with contextlib.suppress(OSError):
-            pipe.send(("error", picklable(exc)))
+            pipe.send(StartFailed(picklable(exc)))
         raise SystemExit(1) from None
     child = _EngineProcess(core, pipe)
     freeze_startup_heap("engine process")
     try:
-        child.send(("ready", CoreInfo(core.max_model_len, core.model_config, core.tokenizer_dir)))
+        child.send(Ready(CoreInfo(core.max_model_len, core.model_config, core.tokenizer_dir)))
         child.run()
     except BaseException as exc:
         log.exception("the engine process failed")
