@@ -74,7 +74,7 @@ METRICS_TIMEOUT_S = 10.0  # a scrape waits this long for the engine (it answers 
 
 
 def to_wire(out: RequestOutput) -> WireOutput:
-    return WireOutput(
+    return (
         out.token_ids,
         out.logprobs,
         out.finished,
