@@ -47,7 +47,8 @@ def main() -> None:
     tuple_us, named_us = round_trip_us(plain, args.repeat), round_trip_us(named, args.repeat)
     figures = {"rows": args.rows, "tuple_us": tuple_us, "namedtuple_us": named_us, "ratio": named_us / tuple_us}
     path = write_result("wire", "cpu", figures, goal={"tuple_over_namedtuple": "faster, else use NamedTuples"})
-    print(f"{args.rows} outputs a step: tuples {tuple_us:.0f} us, NamedTuples {named_us:.0f} us ({named_us / tuple_us:.1f}x)")
+    ratio = named_us / tuple_us
+    print(f"{args.rows} outputs a step: tuples {tuple_us:.0f} us, NamedTuples {named_us:.0f} us ({ratio:.1f}x)")
     print(f"record: {path}")
 
 

@@ -55,8 +55,8 @@ Command = AddRequest | Abort | Finish | Scrape | Stop
 # A RequestOutput without its text (the front end detokenizes): token ids, logprobs, finished,
 # finish reason, prompt tokens, output tokens, cached tokens, prompt logprobs. A plain tuple, not
 # a NamedTuple: there is one per running request per step, and a NamedTuple is built and
-# unpickled by Python code (256 of them: 0.88 ms a step through the pipe against 0.15 ms;
-# `python -m bench.wire`).
+# unpickled by Python code (256 of them: 1.6 ms a step through the pipe against 0.4 ms, in
+# bench/results/wire-cpu-2026-11-29.json from `python -m bench.wire`).
 WireOutput: TypeAlias = tuple[
     list[int], list[TokenLogprob] | None, bool, str | None, int, int, int, list[TokenLogprob | None] | None
 ]
