@@ -33,8 +33,8 @@ from superinfer.bench.vllm_peer import parse_counters
 from superinfer.bench.workload import WorkItem, load_trace, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
+from superinfer.engine.gc_freeze import freeze_startup_heap
 from superinfer.engine.slo import SLO, p99_gap
-from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.worker.duplex import CopyStats
 
 # The DuplexKV ablation (rotary, `--ablation`): each copy mode, and write-through off.

@@ -20,8 +20,8 @@ from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
-from superinfer.engine.guided import GuidedSpec
-from superinfer.engine.structured import GrammarMatcher, fill_bitmasks
+from superinfer.engine.grammar import GrammarMatcher, fill_bitmasks
+from superinfer.engine.output_constraint import GuidedSpec
 
 SCHEMA = {
     "type": "object",

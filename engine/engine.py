@@ -28,12 +28,12 @@ from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import RotaryParams, make_policy
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
+from superinfer.engine.grammar import GrammarCompiler
 from superinfer.engine.metrics import EngineMetrics
 from superinfer.engine.model.loader import model_config
 from superinfer.engine.model.sharding import TensorParallel, check_fits
 from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo import SLO
-from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from superinfer.engine.wire import Abort, AddRequest, Command, Finish, Scrape, Stop
 from superinfer.engine.worker.host_memory import (

@@ -25,7 +25,7 @@ import llguidance
 import numpy as np
 import torch
 
-from superinfer.engine.guided import JSON_LAYOUT, GrammarError, GuidedSpec, choices
+from superinfer.engine.output_constraint import JSON_LAYOUT, GrammarError, GuidedSpec, choices
 from superinfer.engine.tokenizer import Tokenizer
 
 

@@ -1,7 +1,7 @@
 """A request's output constraint (structured outputs), as the API gives it: plain data, no torch.
 
 `GuidedSpec` comes from OpenAI's `response_format` or vLLM's `guided_*` / `structured_outputs`
-fields; `engine/structured.py` compiles it for the model's tokenizer.
+fields; `engine/grammar.py` compiles it for the model's tokenizer.
 """
 
 from __future__ import annotations

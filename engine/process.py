@@ -48,11 +48,11 @@ import torch.multiprocessing as mp
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import Delivery, EngineClient, EngineCore, EngineDeadError, EngineLoop
+from superinfer.engine.gc_freeze import freeze_startup_heap
+from superinfer.engine.grammar import GrammarCompiler
 from superinfer.engine.model.config import ModelConfig
 from superinfer.engine.output import RequestOutput, TextStream
 from superinfer.engine.slo_classes import SLOClass
-from superinfer.engine.startup_heap import freeze_startup_heap
-from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from superinfer.engine.wire import (
     Command,

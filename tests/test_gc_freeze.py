@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from superinfer.engine.startup_heap import freeze_startup_heap
+from superinfer.engine.gc_freeze import freeze_startup_heap
 
 
 class _Node:

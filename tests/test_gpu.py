@@ -219,7 +219,7 @@ def test_sampling_controls_and_grammars_on_cuda_match_cpu(async_scheduling):
     the device) give the CPU's tokens on CUDA, with async scheduling too."""
     import json
 
-    from superinfer.engine.guided import GuidedSpec
+    from superinfer.engine.output_constraint import GuidedSpec
 
     schema = {
         "type": "object",

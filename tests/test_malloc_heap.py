@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from superinfer.engine.worker.heap import retain_freed_heap
+from superinfer.engine.worker.malloc_heap import retain_freed_heap
 
 SCRIPT = """
 import resource, sys, torch
-from superinfer.engine.worker.heap import retain_freed_heap
+from superinfer.engine.worker.malloc_heap import retain_freed_heap
 torch.set_num_threads(1)
 if sys.argv[1] == "retain":
     assert retain_freed_heap()

@@ -9,8 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from superinfer.engine.model.tiny import BOS, END_OF_TEXT, EOT, TINY_VOCAB_SIZE, special_token_ids, tiny_tokenizer
-from superinfer.engine.structured import (
+from superinfer.engine.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarMatcher,
@@ -18,6 +17,7 @@ from superinfer.engine.structured import (
     apply_bitmask,
     fill_bitmasks,
 )
+from superinfer.engine.model.tiny import BOS, END_OF_TEXT, EOT, TINY_VOCAB_SIZE, special_token_ids, tiny_tokenizer
 from superinfer.engine.tokenizer import Tokenizer
 
 SCHEMA = {

@@ -11,6 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from superinfer.engine.grammar import (
+    JSON_LAYOUT,
+    GrammarCompiler,
+    GrammarMatcher,
+    GuidedSpec,
+    apply_bitmask,
+    fill_bitmasks,
+)
 from superinfer.engine.model.tiny import EOT, TINY_VOCAB_SIZE, tiny_tokenizer
 from superinfer.engine.serving import tool_parsers
 from superinfer.engine.serving.tool_parsers import (
@@ -23,14 +31,6 @@ from superinfer.engine.serving.tool_parsers import (
     detect_parser,
     get_parser,
     tool_call_schema,
-)
-from superinfer.engine.structured import (
-    JSON_LAYOUT,
-    GrammarCompiler,
-    GrammarMatcher,
-    GuidedSpec,
-    apply_bitmask,
-    fill_bitmasks,
 )
 from superinfer.engine.tokenizer import Tokenizer
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
-from superinfer.engine.guided import GuidedSpec
+from superinfer.engine.output_constraint import GuidedSpec
 from superinfer.engine.slo import SLO
 
 

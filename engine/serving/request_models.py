@@ -22,7 +22,7 @@ from superinfer.engine.core.request import (
     SEED_MIN,
     SamplingParams,
 )
-from superinfer.engine.guided import GrammarError, GuidedSpec
+from superinfer.engine.output_constraint import GrammarError, GuidedSpec
 from superinfer.engine.serving.tool_parsers import functions
 
 

@@ -25,8 +25,9 @@ from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import AsyncEngine, EngineCore, EngineDeadError
-from superinfer.engine.guided import GrammarError, GuidedSpec
+from superinfer.engine.gc_freeze import freeze_startup_heap
 from superinfer.engine.output import RequestOutput
+from superinfer.engine.output_constraint import GrammarError, GuidedSpec
 from superinfer.engine.process import CoreView, ProcessEngine
 from superinfer.engine.serving.completion_bodies import ChatFormat, ChoiceSpec, CompletionFormat
 from superinfer.engine.serving.request_models import (
@@ -42,7 +43,6 @@ from superinfer.engine.serving.responses_request import RESPONSES_PARAMS, Respon
 from superinfer.engine.serving.tool_parsers import ToolParser, detect_parser, get_parser
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import resolve
-from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("superinfer.server")

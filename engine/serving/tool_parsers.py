@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from superinfer.engine.guided import JSON_LAYOUT
+from superinfer.engine.output_constraint import JSON_LAYOUT
 
 _WS = " \t\r\n"
 _STRING_RUN = re.compile(r'[^"\\]+')
@@ -711,8 +711,6 @@ def tool_call_schema(
                 "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}"
             )
         if name not in params:
-            raise ValueError(
-                f"tool_choice names function {name!r}, which is not among the tools ({', '.join(params)})"
-            )
+            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools ({', '.join(params)})")
         schema = _call_schema(name, params[name], arguments_key, defs)
     return schema | {"$defs": defs} if defs else schema

@@ -40,8 +40,8 @@ import torch.multiprocessing as mp
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
+from superinfer.engine.gc_freeze import freeze_startup_heap
 from superinfer.engine.model.sharding import TensorParallel
-from superinfer.engine.startup_heap import freeze_startup_heap
 from superinfer.engine.worker.rank import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
 from superinfer.engine.worker.runner import ModelRunner, SubmittedStep
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from superinfer.engine.config import EngineConfig
+from superinfer.engine.grammar import GrammarCompiler
 from superinfer.engine.model.loader import LoadedModel, load_model
 from superinfer.engine.model.packed_linear import pack_linears
 from superinfer.engine.model.sharding import TensorParallel
-from superinfer.engine.structured import GrammarCompiler
 from superinfer.engine.worker.attention import allocate_kv_cache
-from superinfer.engine.worker.heap import retain_freed_heap
 from superinfer.engine.worker.host_memory import require_host_bytes
+from superinfer.engine.worker.malloc_heap import retain_freed_heap
 from superinfer.engine.worker.runner import ModelRunner, torch_threads
 from superinfer.engine.worker.streams import Streams
 

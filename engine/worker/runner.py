@@ -28,8 +28,8 @@ import torch
 
 from superinfer.engine.core.plan import PLACEHOLDER, ScheduledSeq, StepPlan
 from superinfer.engine.core.request import SamplingParams
+from superinfer.engine.grammar import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.model.moe import SparseMoE
-from superinfer.engine.structured import GrammarCompiler, GrammarMatcher, disallowed_tokens, fill_bitmasks
 from superinfer.engine.worker import copy_methods
 from superinfer.engine.worker.attention import SeqSpan
 from superinfer.engine.worker.attention_backend import attention_backend
