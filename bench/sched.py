@@ -44,7 +44,7 @@ import numpy as np
 
 from superinfer.bench.record import write_result
 from superinfer.bench.replay import VirtualClock
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import Request, SamplingParams

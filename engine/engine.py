@@ -23,7 +23,7 @@ import torch
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.contract import DEFAULT_SLO_CLASS, PRIORITY_MAX, PRIORITY_MIN
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import RotaryParams, make_policy
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams

@@ -13,7 +13,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from superinfer.engine import contract as c
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.scheduler import Scheduler, SchedulerCounters
 from superinfer.engine.core.token_timing import TokenTiming

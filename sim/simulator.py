@@ -17,7 +17,7 @@ from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.workload import WorkItem, prompt_tokens
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import Request, SamplingParams

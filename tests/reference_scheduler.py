@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy, RotaryPolicy, virtual_lag_time
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from superinfer.engine.core.kv import KVCacheManager, cdiv
+from superinfer.engine.core.block_pool import cdiv
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from superinfer.engine.config import EngineConfig
-from superinfer.engine.core.kv import BlockPool, KVCacheManager
+from superinfer.engine.core.block_pool import BlockPool
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.streams import RecordingStreams

@@ -21,7 +21,7 @@ import random
 
 import pytest
 
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, RotaryParams, RotaryPolicy, WatermarkPolicy
 from superinfer.engine.core.request import FinishReason, Request, SamplingParams

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from superinfer.engine.config import EngineConfig
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.policies import RotaryParams, RotaryPolicy, WatermarkPolicy, virtual_lag_time
 from superinfer.engine.core.request import Request, RequestStatus, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from superinfer.engine.core import policies, scheduler
-from superinfer.engine.core.kv import UNHASHED, BlockPool, KVCacheManager, block_hashes
+from superinfer.engine.core.block_pool import UNHASHED, BlockPool, block_hashes
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import (
     MIN_PREFILL_CHUNK,

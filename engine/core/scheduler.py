@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import PLACEHOLDER, DecodeRows, ScheduledSeq, StepPlan
 from superinfer.engine.core.policies import FCFSPolicy, Policy, TBTGuard
 from superinfer.engine.core.ranking_columns import RankingColumns

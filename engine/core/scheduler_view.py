@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Protocol
 
-from superinfer.engine.core.kv import KVCacheManager
+from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.ranking_columns import RankingColumns
 from superinfer.engine.core.request import Request
 from superinfer.engine.core.running_batch import RunningBatch
