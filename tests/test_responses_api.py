@@ -5,10 +5,12 @@ text.format work, and what a stateless server cannot do is a clear 400."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import aiohttp
 import jsonschema
 import openai
+import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -187,6 +189,44 @@ async def test_a_function_call_output_round_trip(client, server):
     )
     assert second.status in ("completed", "incomplete") and second.output[0].type == "message"
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output are in the prompt
+
+
+async def test_the_sdk_stream_helper_accumulates_a_final_response(client):
+    """`client.responses.stream(...)`, the SDK's helper that builds the response from the events:
+    a finished answer (structured output parsed into the model, a forced call) is its final
+    response; one cut by max_output_tokens ends in `response.incomplete`, as OpenAI's does, and
+    the helper has no final response for it (it raises, as it does against OpenAI)."""
+
+    class Answer(pydantic.BaseModel):  # bounded, so the random model closes the JSON
+        color: Literal["red", "green", "blue"]
+        ok: bool
+
+    async with client.responses.stream(
+        model=MODEL, input="A color as JSON", text_format=Answer, max_output_tokens=200, temperature=0
+    ) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_response()
+    assert kinds[-1] == "response.completed" and final.status == "completed"
+    assert isinstance(final.output_parsed, Answer) and final.usage.output_tokens > 0
+    async with client.responses.stream(
+        model=MODEL,
+        input="Weather in Oslo?",
+        tools=[{**WEATHER, "strict": True}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=200,
+        temperature=0,
+    ) as stream:
+        final = await stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and call.status == "completed" and call.name == "get_weather"
+    jsonschema.validate(call.parsed_arguments, WEATHER["parameters"])
+    async with client.responses.stream(
+        model=MODEL, input="Hi", max_output_tokens=4, extra_body={"ignore_eos": True}
+    ) as stream:
+        kinds = [event.type async for event in stream]
+        with pytest.raises(RuntimeError, match=r"response\.completed"):
+            await stream.get_final_response()
+    assert kinds[-1] == "response.incomplete"
 
 
 def test_input_items_become_chat_messages():
