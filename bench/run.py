@@ -52,7 +52,7 @@ GPU = [
     ["pytest", "-q", *PARALLEL, *(f"tests/test_{name}.py" for name in ("kernels", "attention", "fused_kernels"))],
     # the engine on CUDA: 31 tests, about 2 minutes in 4 processes on an H100
     ["pytest", "-q", *PARALLEL, "-m", "gpu", *(f"tests/test_{name}.py" for name in GPU_TESTS)],
-    ["bench.copy", "--device", "cuda"],
+    ["bench.kv_copy", "--device", "cuda"],
     ["bench.peer", "--model", "llama-3-8b", "--device", "cuda", "--dtype", "bfloat16", "--prompts", "128"],
     ["bench.sampler", "--device", "cuda", "--shapes", "256x128256,1024x128256"],
     ["bench.attn", "--batches", "64", "--contexts", "2048", "--prefill", "4096", "--sweep"],

@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as a file (python bench/vllm_sched.py), bench/ would lead sys.path, and bench/copy.py would
-# shadow the standard library's copy module: drop it before anything imports copy.
+# Run as a file (python bench/vllm_sched.py), bench/ would lead sys.path, and bench/sched.py would
+# shadow the standard library's sched module: drop it before anything imports one.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 

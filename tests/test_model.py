@@ -339,7 +339,7 @@ PUBLIC_PARAM_COUNTS = {  # from the model cards / safetensors index totals
 
 def test_presets_listed() -> None:
     assert list_presets() == ["tiny", *sorted(PUBLIC_PARAM_COUNTS)]
-    # every listed name has a config (bench.copy and the simulator take one by name)
+    # every listed name has a config (bench.kv_copy and the simulator take one by name)
     assert preset_config("tiny") == load_model("tiny", device="meta").config
 
 

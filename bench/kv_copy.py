@@ -11,7 +11,7 @@ Then DuplexKV's copy methods (engine/worker/copy_methods.py: runs, kernel, batch
 duplex, on the same blocks and on a step's worth (--step-blocks scattered blocks, where per-call
 costs show), and what the engine's startup probe picks on these caches.
 
-    python -m bench.copy [--model qwen2.5-32b] [--gib 8] [--step-blocks 64] [--device cuda]
+    python -m bench.kv_copy [--model qwen2.5-32b] [--gib 8] [--step-blocks 64] [--device cuda]
 """
 
 from __future__ import annotations
