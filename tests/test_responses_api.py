@@ -318,3 +318,15 @@ def test_text_then_a_call_streams_as_two_items_and_an_abort_fails():
     aborted = RequestOutput("r", "x", [1], None, True, "abort", 3, 1)
     body = Response.model_validate(fmt.full({0: [aborted]}))
     assert body.status == "failed" and body.error.code == "server_error"
+
+
+def test_an_empty_answer_is_an_empty_message_whole_and_streamed():
+    """A stop string on the first token leaves no text: still one message item (clients read
+    output[0]), the same streamed."""
+    fmt = response_format({})
+    body = Response.model_validate(fmt.full({0: [output("", True)]}))
+    assert [(item.type, item.content[0].text) for item in body.output] == [("message", "")]
+    fmt = response_format({})
+    events = [EVENTS.validate_python(e) for e in [*fmt.start(), *fmt.events(0, output("", True)), *fmt.finish()]]
+    (item,) = streamed_output(events)
+    assert item["type"] == "message" and item["content"][0]["text"] == "" and item["status"] == "completed"

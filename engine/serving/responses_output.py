@@ -108,8 +108,8 @@ class ResponsesFormat:
         message, reason = choice["message"], choice["finish_reason"]
         status = STATUS.get(reason, "completed")
         item_status = "incomplete" if status == "incomplete" else "completed"
-        if message["content"]:
-            self.items.append(message_item(message["content"], item_status))
+        if message["content"] or not message.get("tool_calls"):  # an empty answer is an empty message
+            self.items.append(message_item(message["content"] or "", item_status))
         for call in message.get("tool_calls") or []:
             function = call["function"]
             self.items.append(call_item(call["id"], function["name"], function["arguments"], item_status))
@@ -147,16 +147,19 @@ class ResponsesFormat:
         self.open = True
         return [*events, self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
 
+    def _open_message(self) -> list[dict[str, Any]]:
+        item = message_item("", "in_progress")
+        part = item["content"][0]
+        events = self._open({**item, "content": []})
+        self.items[-1]["content"].append(part)
+        return [*events, self._event("response.content_part.added", **self._where(), content_index=0, part=part)]
+
     def _text(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
         events = []
         if not (self.open and self.items[-1]["type"] == "message"):
-            item = message_item("", "in_progress")
-            part = item["content"][0]
-            events = self._open({**item, "content": []})
-            self.items[-1]["content"].append(part)
-            events.append(self._event("response.content_part.added", **self._where(), content_index=0, part=part))
+            events = self._open_message()
         self.items[-1]["content"][0]["text"] += text
         where = self._where()
         events.append(self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]))
@@ -194,7 +197,8 @@ class ResponsesFormat:
     def finish(self) -> list[dict[str, Any]]:
         """The open item's closing events and the terminal event."""
         status = STATUS.get(self.finish_reason or "", "completed")
-        events = self._close("incomplete" if status == "incomplete" else "completed")
+        events = [] if self.items else self._open_message()  # an empty answer is an empty message
+        events += self._close("incomplete" if status == "incomplete" else "completed")
         response = self.response(status, ABORTED if status == "failed" else None)
         return [*events, self._event(f"response.{status}", response=response)]
 
