@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ from superinfer.sim.fleet.router import ROUTERS
 from superinfer.sim.fleet.setups import SPEC_TARGET, Run, Sizing, replica_capacity, run_setup, sizing_for
 
 SLO_TARGETS = SLO(5000.0, 100.0)  # the paper's: 5 s to the first token, 100 ms between tokens
-REPLICA = SimConfig(model="llama-3-8b", hardware="gh200", gpu_kv_gib=8.0, policy="rotary")  # the paper's KV budget
+# A 32B model on a GH200 with a 16 GiB KV pool: ~13 req/s per replica (KV pressure past that, so rotary
+# rotates), a fleet of several replicas at rates a 2-core machine simulates in minutes.
+REPLICA = SimConfig(model="qwen2.5-32b", hardware="gh200", gpu_kv_gib=16.0, policy="rotary")
 SETUPS = ("slo", "hpa", "fixed-peak", "fixed-mean")
 DEFAULT_ROUTER = "epp"
 
@@ -107,11 +110,15 @@ def main() -> None:
     parser.add_argument("--day", type=float, default=600.0, help="seconds the diurnal day is compressed into")
     parser.add_argument("--night-rate", type=float, default=3.0)
     parser.add_argument("--noon-rate", type=float, default=40.0)
-    parser.add_argument("--base-rate", type=float, default=10.0, help="the flash crowd's base rate (req/s)")
+    parser.add_argument("--base-rate", type=float, default=8.0, help="the flash crowd's base rate (req/s)")
     parser.add_argument("--flash-duration", type=float, default=600.0)
     parser.add_argument("--max-replicas", type=int, default=8)
     parser.add_argument("--ready-delay", type=float, default=DEFAULT_READY_DELAY_S)
     parser.add_argument("--rate-per-replica", type=float, default=None, help="skip the capacity bisection")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="the autoscaling set-ups to run")
+    parser.add_argument("--routers", action=argparse.BooleanOptionalAction, default=True,
+                        help="also every router on the flash crowd")  # fmt: skip
+    parser.add_argument("--capacities-from", type=Path, default=None, help="a fleet record: its capacities")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="half-length loads (a smoke run)")
     parser.add_argument("--tag", default="")
@@ -120,7 +127,9 @@ def main() -> None:
     config = FleetConfig(REPLICA, ready_delay_s=args.ready_delay, default_slo=SLO_TARGETS)
     jobs, all_loads = [], loads(args)
     with ProcessPoolExecutor(args.jobs) as pool:
-        if args.rate_per_replica:
+        if args.capacities_from:
+            capacities = json.loads(args.capacities_from.read_text())["capacities"]
+        elif args.rate_per_replica:
             capacities = {load.name: args.rate_per_replica for load in all_loads}
         else:
             rates = pool.map(capacity, all_loads)
@@ -129,8 +138,8 @@ def main() -> None:
         rate = capacities[load.name]
         sizing = sizing_for(load.items, rate, 1, args.max_replicas)
         print(f"{load.name}: {len(load.items)} requests ({load.what}); one replica {rate:.2f} req/s; {sizing}")
-        jobs += [(Run(s, DEFAULT_ROUTER), load, config, sizing) for s in SETUPS]
-        if load.name == "flash":
+        jobs += [(Run(s.strip(), DEFAULT_ROUTER), load, config, sizing) for s in args.setups.split(",")]
+        if load.name == "flash" and args.routers:
             jobs += [(Run("fixed-mean", r), load, config, sizing) for r in ROUTERS if r != DEFAULT_ROUTER]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -142,7 +151,8 @@ def main() -> None:
     stem = result_stem("fleet", "cpu", args.tag)
     for load_name, runs in results.items():
         setups = {k: v for k, v in runs.items() if k.endswith("/" + DEFAULT_ROUTER)}
-        title = f"{load_name}: llama-3-8b on GH200 (8 GiB KV), rotary, ready delay {args.ready_delay:g} s"
+        kv = f"{REPLICA.gpu_kv_gib:g} GiB KV"
+        title = f"{load_name}: {REPLICA.model} on GH200 ({kv}), rotary, ready delay {args.ready_delay:g} s"
         plot_timeline(setups, results_dir() / f"{stem}-{load_name}.png", title, SPEC_TARGET)
     figures = {
         load: {label: {k: v for k, v in r.items() if k != "timeline"} for label, r in runs.items()}

@@ -155,6 +155,15 @@ def test_hpa_scales_up_at_once_and_down_only_after_300_s():
     assert (down.replicas, down.action) == (2, "ScaleDown")
 
 
+def test_hpa_does_not_scale_down_at_its_first_tick():
+    """The controller seeds its recommendations with the current count: an idle start holds 300 s."""
+    hpa = HPAQueue(target_waiting=5.0)
+    idle = {n: page(0) for n in "abc"}
+    assert hpa.tick(0.0, PodCounts(3, 3, 0), idle).replicas == 3
+    assert hpa.tick(285.0, PodCounts(3, 3, 0), idle).replicas == 3
+    assert hpa.tick(300.0, PodCounts(3, 3, 0), idle).replicas == 1
+
+
 def test_hpa_tolerance_and_step_limit_and_pods_without_metrics():
     hpa = HPAQueue(target_waiting=5.0, max_replicas=100, behavior=HPABehavior())
     assert hpa.tick(0.0, PodCounts(4, 4, 0), {n: page(5.4) for n in "abcd"}).action == "Hold"  # within 10%

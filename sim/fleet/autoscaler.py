@@ -165,19 +165,21 @@ class HPAQueue(Autoscaler):
 
     def tick(self, now: float, counts: PodCounts, pages: Mapping[str, str]) -> Verdict:
         b, current = self.behavior, counts.desired
+        if not self.recommendations:  # as the HPA controller: the current count is the first recommendation
+            self.recommendations.append((now, current))
         wanted, why = self.raw_recommendation(counts, pages)
         wanted = max(self.min_replicas, min(self.max_replicas, wanted))
-        self.recommendations.append((now, wanted))
-        while self.recommendations and now - self.recommendations[0][0] > b.down_stabilization_s:
-            self.recommendations.popleft()
+        while self.recommendations and now - self.recommendations[0][0] >= b.down_stabilization_s:
+            self.recommendations.popleft()  # older than the window (kept: strictly newer than its start)
         if wanted > current:
-            up_window = [r for t, r in self.recommendations if now - t <= b.up_stabilization_s]
-            target = min(up_window or [wanted])
+            up_window = [r for t, r in self.recommendations if now - t < b.up_stabilization_s]
+            target = min([*up_window, wanted])
             limit = max(math.ceil(current * (1 + b.up_percent / 100)), current + b.up_pods)
             target = min(target, limit)
         else:
-            target = min(current, max(r for _, r in self.recommendations))  # the highest of the last 300 s
+            target = min(current, max(r for _, r in [*self.recommendations, (now, wanted)]))  # highest of 300 s
         target = max(self.min_replicas, min(self.max_replicas, target))
+        self.recommendations.append((now, wanted))
         if target == current:
             return Verdict(current, "Hold", "HPA", why)
         return Verdict(target, "ScaleUp" if target > current else "ScaleDown", "HPA", why)

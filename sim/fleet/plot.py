@@ -3,6 +3,7 @@ per set-up (matplotlib, no display)."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ def plot_timeline(reports: Mapping[str, Mapping[str, Any]], path: Path, title: s
     ax_good.set_ylim(-0.02, 1.02)
     ax_good.set_xlabel("minutes")
     ax_good.legend(fontsize=7, loc="lower left")
-    ax_rate.set_title(title, fontsize=9)
+    ax_rate.set_title("\n".join(textwrap.wrap(title, 140)), fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

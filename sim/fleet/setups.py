@@ -34,6 +34,7 @@ class Sizing:
     rate_per_replica: float  # one replica's capacity at the target (req/s)
     peak_rate: float  # the load's highest 60 s rate
     mean_rate: float
+    start_rate: float = 0.0  # the first minute's rate: what an autoscaled fleet is deployed for
 
     def for_rate(self, rate: float) -> int:
         return max(1, math.ceil(rate / self.rate_per_replica - 1e-9))
@@ -58,10 +59,11 @@ def make_autoscaler(
 
 
 def initial_replicas(scaler: Autoscaler, sizing: Sizing) -> int:
-    """Fixed fleets start at their size; the others at the size the first minute's rate needs."""
+    """Fixed fleets start at their size; the others at the size the first minute's rate needs
+    (as deployed for the load at hand, not cold from minReplicas)."""
     if isinstance(scaler, Fixed):
         return scaler.replicas
-    return sizing.min_replicas
+    return max(sizing.min_replicas, min(sizing.max_replicas, sizing.for_rate(sizing.start_rate)))
 
 
 def poisson_like(items: Sequence[WorkItem], rate: float, duration_s: float, seed: int = 0) -> list[WorkItem]:
@@ -90,7 +92,9 @@ def replica_capacity(
 
 def sizing_for(items: Sequence[WorkItem], rate_per_replica: float, min_replicas: int, max_replicas: int) -> Sizing:
     items = list(items)
-    return Sizing(min_replicas, max_replicas, rate_per_replica, peak_rate(items), average_rate(items))
+    first = min((i.arrival_s for i in items), default=0.0)
+    start = sum(i.arrival_s < first + 60.0 for i in items) / 60.0
+    return Sizing(min_replicas, max_replicas, rate_per_replica, peak_rate(items), average_rate(items), start)
 
 
 @dataclass(frozen=True)
