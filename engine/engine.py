@@ -43,10 +43,10 @@ from superinfer.engine.worker.host_memory import (
     default_tier_bytes,
     require_host_bytes,
 )
-from superinfer.engine.worker.parallel import Workers
-from superinfer.engine.worker.rank import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
+from superinfer.engine.worker.rank_share import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
 from superinfer.engine.worker.runner import StepOutput, SubmittedStep, TokenLogprob
 from superinfer.engine.worker.streams import Streams
+from superinfer.engine.worker.tp_workers import Workers
 
 log = logging.getLogger("superinfer.engine")
 
@@ -119,7 +119,7 @@ class EngineCore:
     ) -> None:
         """`streams`: where device work runs (default: CUDA streams on a GPU, at once on the host).
         With --tensor-parallel-size N > 1 the other N - 1 ranks start in worker processes of their
-        own (worker/parallel.py); `close` stops them. `detokenize=False`: outputs carry tokens and
+        own (worker/tp_workers.py); `close` stops them. `detokenize=False`: outputs carry tokens and
         no text, and stop strings are not watched (the engine process leaves both to the server,
         which ends a request on a stop string with `finish`)."""
         self.config = config

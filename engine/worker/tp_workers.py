@@ -42,7 +42,7 @@ from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.gc_freeze import freeze_startup_heap
 from superinfer.engine.model.sharding import TensorParallel
-from superinfer.engine.worker.rank import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
+from superinfer.engine.worker.rank_share import kv_block_bytes, load_shard, make_runner, num_kv_blocks, resolve_device
 from superinfer.engine.worker.runner import ModelRunner, SubmittedStep
 
 log = logging.getLogger("superinfer.parallel")

@@ -1,7 +1,7 @@
 """One rank's share of the engine: its part of the model, its KV caches and the runner over them.
 
 EngineCore builds rank 0's share in the engine's process; with tensor parallelism the other ranks
-build theirs in worker processes (parallel.py). Every rank uses the same KV block ids (the
+build theirs in worker processes (tp_workers.py). Every rank uses the same KV block ids (the
 scheduler's, on rank 0), and a block holds the rank's own KV heads, so every rank sizes its pool
 from its own free memory and all of them take the smallest count.
 """
