@@ -189,3 +189,16 @@ def test_loads_have_their_shape():
     assert 3.5 < during / before < 7
     assert peak_rate(crowd) == pytest.approx(25, rel=0.25)
     assert peak_rate([WorkItem(0.0, 1, 1), WorkItem(10.0, 1, 1)]) == pytest.approx(0.2)
+
+
+def test_the_pickers_metrics_are_the_queue_and_the_gpu_pool():
+    """What docs/kubernetes.md says the stock picker reads: vllm:num_requests_waiting is the waiting
+    queue (rotated-out requests not in it), vllm:kv_cache_usage_perc the GPU pool's used share."""
+    r = replica()
+    send(r, 40, output_len=120)
+    r.run_until(2.0)
+    view = r.view(2.0)
+    assert view.vllm_waiting == r.sched.num_waiting == view.waiting
+    assert view.rotary == r.sched.num_rotary > 0  # streams rotated out, not counted as waiting
+    assert view.vllm_kv_usage == pytest.approx(r.sched.kv.usage) == pytest.approx(view.kv_gpu)
+    assert view.vllm_running == r.sched.num_running and view.gpu_blocks == SMALL.num_gpu_blocks
