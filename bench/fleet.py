@@ -5,8 +5,8 @@ fleet rate; read from --azure-dir, never committed, skipped when absent), a diur
 compressed into --day seconds, and a flash crowd (5x the base rate for 2 minutes). Each load runs
 the SLO autoscaler, the HPA-on-vllm:num_requests_waiting recipe and fixed fleets sized for the
 peak and the mean (behind the endpoint picker's default profile); the flash crowd also runs every
-router on the fleet sized for the mean. Sized for a 2-core machine (about 10-20 minutes with
---jobs 2); the record holds every run's figures and the issue's criteria judged on them.
+router on the fleet sized for the mean. Sized for a 2-core machine (about 35 minutes with
+--jobs 2 on a shared one); the record holds every run's figures and the issue's criteria judged on them.
 
     python -m bench.fleet [--azure-dir /work/data/azure] [--jobs 2] [--tag T] [--quick]
 """
