@@ -19,9 +19,12 @@ ENV PATH=/opt/superinfer/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY cli cli
 COPY engine engine
 COPY kernels kernels
 COPY operator operator
+COPY workload workload
+COPY sim sim
 COPY bench bench
 # cuda-bindings gives the engine the `batch` KV copy method (cudaMemcpyBatchAsync, CUDA >= 12.8);
 # match its major version to the torch wheels' CUDA. The startup probe leaves the method out

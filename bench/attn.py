@@ -36,8 +36,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from superinfer.bench.record import write_result
 from superinfer.engine.worker.attention import SeqSpan, torch_attention
+from superinfer.workload.record import write_result
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 2
 DTYPE = torch.bfloat16

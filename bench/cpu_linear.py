@@ -15,11 +15,11 @@ from collections import defaultdict
 
 import torch
 
-from superinfer.bench.record import write_result
 from superinfer.bench.step import decode, prefill
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.model.packed_linear import Linear
+from superinfer.workload.record import write_result
 
 
 def main() -> None:

@@ -9,13 +9,13 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.loadgen import LoadRequest, run_load
 from superinfer.bench.vllm_peer import counters
-from superinfer.bench.workload import WorkItem, burst_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.serving.server import start_server
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import WorkItem, burst_workload, prompt_tokens
+from superinfer.workload.goodput import RequestTiming, summarize
+from superinfer.workload.loadgen import LoadRequest, run_load
 
 ROWS = (
     ("TTFT attainment", "ttft_attainment", "{:.0%}"),

@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from superinfer.bench.goodput import summarize
-from superinfer.bench.loadgen import run_load
 from superinfer.bench.peer_loads import SEQUENTIAL, LoadShape, items
 from superinfer.bench.peer_settings import Matched, superinfer_command
-from superinfer.bench.record import write_result
 from superinfer.bench.server_process import Launch, free_port, serving
 from superinfer.bench.vllm_peer import requests, run_sequential, warm_up
+from superinfer.workload.goodput import summarize
+from superinfer.workload.loadgen import run_load
+from superinfer.workload.record import write_result
 
 MODES = {"thread": False, "proc": True}
 

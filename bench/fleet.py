@@ -20,7 +20,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from superinfer.bench.record import result_stem, results_dir, write_result
 from superinfer.engine.slo import SLO
 from superinfer.sim.config import SimConfig
 from superinfer.sim.fleet import scenarios
@@ -28,6 +27,7 @@ from superinfer.sim.fleet.fleet import DEFAULT_READY_DELAY_S, FleetConfig
 from superinfer.sim.fleet.plot import plot_timeline
 from superinfer.sim.fleet.router import ROUTERS
 from superinfer.sim.fleet.setups import SPEC_TARGET, Run, Sizing, replica_capacity, run_setup, sizing_for
+from superinfer.workload.record import result_stem, results_dir, write_result
 
 SLO_TARGETS = SLO(5000.0, 100.0)  # the paper's: 5 s to the first token, 100 ms between tokens
 # A 32B model on a GH200 with a 16 GiB KV pool: ~13 req/s per replica (KV pressure past that, so rotary

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker import runner as runner_module
+from superinfer.workload.record import write_result
 
 PROMPT_TOKENS = 32
 

@@ -21,9 +21,9 @@ import random
 
 import torch
 
-from superinfer.bench.record import write_result
 from superinfer.engine.model.loader import preset_config
 from superinfer.engine.worker.copy_methods import COPIERS, METHODS, copy_runs, probe
+from superinfer.workload.record import write_result
 
 BLOCK_TOKENS = 16
 

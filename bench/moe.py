@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.runner import torch_threads
+from superinfer.workload.record import write_result
 
 VOCAB = 3072
 _SHAPE = {

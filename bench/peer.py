@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.model.loader import PRESETS_DIR
+from superinfer.workload.record import write_result
 
 
 def make_prompts(n: int, vocab: int, seed: int = 0, lo: int = 16, hi: int = 128) -> list[list[int]]:

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.workload import RequestClass, WorkItem, azure_trace, burst_workload, mixed_workload
 from superinfer.engine.slo import SLO, percentile
+from superinfer.workload.arrivals import RequestClass, WorkItem, azure_trace, burst_workload, mixed_workload
+from superinfer.workload.goodput import RequestTiming, summarize
 
 HOL_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)
 INTERACTIVE = RequestClass("interactive", 0.7, SLO(ttft_ms=500.0, tbt_ms=100.0), prompt_median=48, output_median=64)
@@ -133,7 +133,7 @@ LOADS = ("batch1", "saturation", "hol", "poisson", "trace")
 SEQUENTIAL = ("batch1",)  # sent one at a time, each after the previous one finished
 
 
-# Each stream's worst gap, per class (bench.goodput.summarize): the stall a user sees.
+# Each stream's worst gap, per class (workload.goodput.summarize): the stall a user sees.
 STALL_KEYS = ("worst_gap_p50_ms", "worst_gap_p99_ms", "worst_gap_max_ms", "stalled_1s_share", "stalled_budget_share")
 
 

@@ -25,8 +25,6 @@ import time
 from superinfer.bench.host_time import timed
 from superinfer.bench.peer_loads import LoadShape, items
 from superinfer.bench.peer_settings import Matched
-from superinfer.bench.record import write_result
-from superinfer.bench.workload import prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
@@ -35,6 +33,8 @@ from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.output import RequestOutput
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.engine.worker.runner import StepOutput
+from superinfer.workload.arrivals import prompt_tokens
+from superinfer.workload.record import write_result
 
 AMPLE_BLOCKS = 1024  # vllm_peer's --ample-blocks default
 # Two-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's).

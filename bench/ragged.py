@@ -206,7 +206,7 @@ def main() -> None:
                 line += f"  speedup {figures[f'{key}_speedup']:.2f}x  tokens identical: {same}"
             print(line + f"  ({got[0]['tokens']} tokens/step)", flush=True)
 
-    from superinfer.bench.record import write_result
+    from superinfer.workload.record import write_result
 
     goal = {"step_ms": "the issue: vLLM's CPU build runs this kind of batch at ~1/3 of our time before the change"}
     extra = {

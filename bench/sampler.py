@@ -19,10 +19,10 @@ import time
 import torch
 
 from superinfer.bench.host_time import measure
-from superinfer.bench.record import write_result
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.worker.malloc_heap import retain_freed_heap
 from superinfer.engine.worker.sampling import sample
+from superinfer.workload.record import write_result
 
 MODES = {
     "greedy": SamplingParams(temperature=0),

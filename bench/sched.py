@@ -42,14 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from superinfer.bench.record import write_result
-from superinfer.bench.replay import VirtualClock
 from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.policies import make_policy
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig
 from superinfer.engine.model.tiny import ensure_tiny_model
+from superinfer.workload.record import write_result
+from superinfer.workload.replay import VirtualClock
 
 BLOCK = 16
 _UPDATE_TAKES = inspect.signature(Scheduler.update).parameters

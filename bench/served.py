@@ -22,9 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from superinfer.bench.loadgen import bench_endpoint
-from superinfer.bench.workload import poisson_workload
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import poisson_workload
+from superinfer.workload.loadgen import bench_endpoint
 
 KEYS = ("tpot_p50_ms", "tpot_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s")
 
@@ -98,7 +98,7 @@ def main() -> None:
             figures[f"{label}_t{threads}_{k}"] = median_run[k]
         figures[f"{label}_t{threads}_tpot_p50_ms_runs"] = statistics.median(r["tpot_p50_ms"] for r in reports)
 
-    from superinfer.bench.record import write_result
+    from superinfer.workload.record import write_result
 
     goal = {"tpot_p50_ms": "vLLM 0.32 CPU on the same load shape: batch TPOT ~8 ms (the issue's measurement)"}
     extra = {

@@ -22,10 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from superinfer.bench.goodput import summarize
-from superinfer.bench.record import write_result
-from superinfer.bench.replay import replay
-from superinfer.bench.workload import poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.engine.engine import EngineCore
@@ -36,6 +32,10 @@ from superinfer.sim.config import SimConfig
 from superinfer.sim.cost import fit_calibration
 from superinfer.sim.report import point_report
 from superinfer.sim.simulator import simulate
+from superinfer.workload.arrivals import poisson_workload, prompt_tokens
+from superinfer.workload.goodput import summarize
+from superinfer.workload.record import write_result
+from superinfer.workload.replay import replay
 
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms")
 

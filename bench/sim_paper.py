@@ -20,12 +20,12 @@ import dataclasses
 import time
 from typing import Any
 
-from superinfer.bench.record import results_dir, write_result
 from superinfer.engine.slo import SLO
 from superinfer.sim.config import SimConfig
 from superinfer.sim.plot import plot_sweep
 from superinfer.sim.sweep import Sweep, Variant, run_sweep, variants
 from superinfer.sim.workload_spec import WorkloadSpec
+from superinfer.workload.record import results_dir, write_result
 
 POLICIES = ("fcfs", "rotary", "watermark")
 RATES = {"llama-3-8b": (35.0, 40.0, 45.0, 50.0, 55.0, 60.0)}

@@ -14,10 +14,10 @@ import hashlib
 import json
 import statistics
 
-from superinfer.bench.record import write_result
 from superinfer.sim.config import SimConfig
 from superinfer.sim.sweep import run_point
 from superinfer.sim.workload_spec import WorkloadSpec
+from superinfer.workload.record import write_result
 
 RATE = 60.0
 

@@ -18,11 +18,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from superinfer.bench.record import write_result
 from superinfer.engine.slo import SLO
 from superinfer.sim.config import SimConfig
 from superinfer.sim.sweep import run_point
 from superinfer.sim.workload_spec import WorkloadSpec
+from superinfer.workload.record import write_result
 
 POLICIES = ("fcfs", "rotary")
 KEYS = (

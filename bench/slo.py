@@ -24,18 +24,18 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.record import result_stem, write_result
-from superinfer.bench.replay import StepLogLine, VirtualClock, replay
-from superinfer.bench.step_cost import DeviceTimeline
 from superinfer.bench.transfers import summarize_copies
 from superinfer.bench.vllm_peer import parse_counters
-from superinfer.bench.workload import WorkItem, load_trace, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.gc_freeze import freeze_startup_heap
 from superinfer.engine.slo import SLO, p99_gap
 from superinfer.engine.worker.duplex import CopyStats
+from superinfer.workload.arrivals import WorkItem, load_trace, poisson_workload, prompt_tokens
+from superinfer.workload.device_timeline import DeviceTimeline
+from superinfer.workload.goodput import RequestTiming, summarize
+from superinfer.workload.record import result_stem, write_result
+from superinfer.workload.replay import StepLogLine, VirtualClock, replay
 
 # The DuplexKV ablation (rotary, `--ablation`): each copy mode, and write-through off.
 ABLATION = {
@@ -266,7 +266,7 @@ def main() -> None:
     }
     extra = {
         "model": args.model,
-        "clock": "virtual: device timeline (bench/step_cost.py defaults, async scheduling)"
+        "clock": "virtual: device timeline (workload/device_timeline.py defaults, async scheduling)"
         if cpu and not args.wall_clock
         else "wall",
         "workload": {

@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
+from superinfer.workload.record import write_result
 
 BF16_PEAK_FLOPS = 989e12  # H100/H200/GH200 dense bf16
 

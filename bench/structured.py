@@ -16,12 +16,12 @@ import random
 import statistics
 import time
 
-from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.grammar import GrammarMatcher, fill_bitmasks
 from superinfer.engine.output_constraint import GuidedSpec
+from superinfer.workload.record import write_result
 
 SCHEMA = {
     "type": "object",

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from superinfer.bench.record import write_result
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import SamplingParams
 from superinfer.engine.engine import EngineCore
+from superinfer.workload.record import write_result
 
 # name -> (tensor-parallel size, torch threads per rank)
 CONFIGS = {"tp1_1thread": (1, 1), "tp1_2threads": (1, 2), "tp2_1thread_per_rank": (2, 1)}

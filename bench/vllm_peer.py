@@ -41,8 +41,6 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from superinfer.bench.goodput import RequestTiming
-from superinfer.bench.loadgen import LoadRequest, run_load, stream_completion
 from superinfer.bench.peer_loads import (
     CLASSES,
     HOL_SLO,
@@ -56,11 +54,13 @@ from superinfer.bench.peer_loads import (
 )
 from superinfer.bench.peer_settings import Contender, Matched, command
 from superinfer.bench.peer_table import Results, cell, markdown, rich_table, rows, spreads, versus_vllm
-from superinfer.bench.record import write_result
 from superinfer.bench.server_process import Launch, cpu_seconds, free_port, serving
-from superinfer.bench.workload import WorkItem, mean_rate, prompt_tokens
 from superinfer.engine.contract import BUILTIN_SLO_CLASSES, METRICS_PATH
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import WorkItem, mean_rate, prompt_tokens
+from superinfer.workload.goodput import RequestTiming
+from superinfer.workload.loadgen import LoadRequest, run_load, stream_completion
+from superinfer.workload.record import write_result
 
 PHASES = {"ample": ("batch1", "saturation"), "tight": ("hol", "poisson", "trace")}
 DEFAULT_CONTENDERS = "vllm@1,fcfs@1,rotary@1"  # each at its default threads on 2 cores

@@ -12,8 +12,8 @@ import pickle
 import timeit
 from typing import NamedTuple
 
-from superinfer.bench.record import write_result
 from superinfer.engine.wire import Outputs
+from superinfer.workload.record import write_result
 
 
 class NamedOutput(NamedTuple):  # the alternative: WireOutput's fields by name

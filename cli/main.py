@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(model_snapshot(hub_ref(args.model, args.revision), cache_dir=args.download_dir))
         elif args.command == "bench":
-            from superinfer.bench.endpoint import run_bench
+            from superinfer.workload.endpoint import run_bench
 
             asyncio.run(run_bench(args))
         elif args.command == "simulate":

@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from superinfer.sim.config import SimConfig
+
 # The columns of the per-point table (the full report goes to --json), explained by its caption.
 COLUMNS = (
     ("TTFT att", "ttft_attainment", "{:.3f}"),
@@ -144,40 +146,10 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     add_fleet_flags(p)
 
 
-def sim_config(args: argparse.Namespace) -> Any:
-    from superinfer.engine.core.policies import RotaryParams
-    from superinfer.sim.config import SimConfig
-
-    return SimConfig(
-        model=args.model,
-        hardware=args.hardware,
-        calibration=args.calibration,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        gpu_kv_gib=args.gpu_kv_gib,
-        num_gpu_blocks=args.num_gpu_blocks,
-        cpu_kv_gib=args.cpu_kv_gib,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        transfer_budget_blocks=args.transfer_budget_blocks,
-        write_through=args.write_through,
-        duplex=args.duplex,
-        async_scheduling=args.async_scheduling,
-        host_s=None if args.host_ms is None else args.host_ms / 1000.0,
-        rotary=RotaryParams(
-            alpha=args.rotary_alpha,
-            beta_f=args.rotary_beta_f,
-            beta_b=args.rotary_beta_b,
-            slo_admission=args.slo_admission,
-        ),
-    )
-
-
 def workload_spec(args: argparse.Namespace) -> Any:
-    from superinfer.bench.workload import is_arrival_trace
     from superinfer.engine.slo import SLO
     from superinfer.sim.workload_spec import WorkloadSpec
+    from superinfer.workload.arrivals import is_arrival_trace
 
     replay = (args.trace_speedup, args.length_scale, args.trace_start, args.trace_duration)
     if replay != (1.0, 1.0, 0.0, None) and not (args.trace and is_arrival_trace(args.trace)):
@@ -268,7 +240,7 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
     console = Console()
     if not console.is_terminal:
         console = Console(width=240)  # piped or logged: the table keeps its columns
-    base, workload = sim_config(args), workload_spec(args)
+    base, workload = SimConfig.from_flags(args), workload_spec(args)
     runs = variants([p.strip() for p in args.policies.split(",") if p.strip()], args.vary)
     rates = point_rates(args, workload)
     m, hw = base.model_spec(), base.profile()

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from superinfer.bench.step_cost import StepCost
 from superinfer.engine.core.policies import RotaryParams
 from superinfer.sim.cost import block_bytes, load_calibration, profile_from_step_record, read_json, roofline_cost
 from superinfer.sim.hardware import HardwareProfile, get_profile
 from superinfer.sim.model_spec import ModelSpec, load_model_spec
+from superinfer.workload.device_timeline import StepCost
 
 GIB = 1 << 30
 
@@ -37,6 +38,34 @@ class SimConfig:
     async_scheduling: bool = True
     host_s: float | None = None  # scheduler host time per step (default: the profile's)
     rotary: RotaryParams = field(default_factory=RotaryParams)
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> SimConfig:
+        """From `superinfer simulate`'s flags (sim/cli.py)."""
+        return cls(
+            model=args.model,
+            hardware=args.hardware,
+            calibration=args.calibration,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_kv_gib=args.gpu_kv_gib,
+            num_gpu_blocks=args.num_gpu_blocks,
+            cpu_kv_gib=args.cpu_kv_gib,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            transfer_budget_blocks=args.transfer_budget_blocks,
+            write_through=args.write_through,
+            duplex=args.duplex,
+            async_scheduling=args.async_scheduling,
+            host_s=None if args.host_ms is None else args.host_ms / 1000.0,
+            rotary=RotaryParams(
+                alpha=args.rotary_alpha,
+                beta_f=args.rotary_beta_f,
+                beta_b=args.rotary_beta_b,
+                slo_admission=args.slo_admission,
+            ),
+        )
 
     def model_spec(self) -> ModelSpec:
         return load_model_spec(self.model)

@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from superinfer.bench.step_cost import StepCost
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.step_time import StepShape, StepTimeModel
 from superinfer.sim.hardware import HardwareProfile
 from superinfer.sim.model_spec import ModelSpec
+from superinfer.workload.device_timeline import StepCost
 
 
 def block_bytes(model: ModelSpec, block_size: int) -> int:

@@ -1,4 +1,4 @@
-"""One simulated point's report: `superinfer bench`'s keys (bench.goodput.summarize) plus what only
+"""One simulated point's report: `superinfer bench`'s keys (workload.goodput.summarize) plus what only
 the engine side knows (swap GB/s per direction, rotations, recomputes)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from superinfer.sim.simulator import SimResult
 
 
 def point_report(result: SimResult) -> dict[str, float]:
-    from superinfer.bench.goodput import summarize
+    from superinfer.workload.goodput import summarize
 
     duration = max(result.duration_s, 1e-9)
     report = summarize(result.timings, duration)

@@ -1,6 +1,6 @@
 """Drive the real scheduler, policy and KV manager on a virtual clock; the device is a cost model.
 
-The loop is bench/replay.py's without the model: with async scheduling the host plans and submits
+The loop is workload/replay.py's without the model: with async scheduling the host plans and submits
 step t+1 (taking `host_s`) before it collects step t; `DeviceTimeline` places each step's copies
 and compute under the executor's ordering rules and says when its tokens reach the host. Every
 sampled token is token 0: requests run to their fixed output length (`ignore_eos`), as in the
@@ -13,9 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from superinfer.bench.goodput import RequestTiming
-from superinfer.bench.step_cost import DeviceTimeline
-from superinfer.bench.workload import WorkItem, prompt_tokens
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.kv_manager import KVCacheManager
 from superinfer.engine.core.plan import StepPlan
@@ -25,13 +22,16 @@ from superinfer.engine.core.scheduler import Scheduler, SchedulerConfig, Schedul
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import class_table
 from superinfer.sim.config import SimConfig
+from superinfer.workload.arrivals import WorkItem, prompt_tokens
+from superinfer.workload.device_timeline import DeviceTimeline
+from superinfer.workload.goodput import RequestTiming
 
 SAMPLED_TOKEN = 0
 MAX_IDLE_STEPS = 1000  # empty plans in a row with nothing in flight and nothing to arrive: stuck
 
 
 class VirtualClock:
-    """bench.replay's clock (that module imports the engine, hence torch)."""
+    """workload.replay's clock (that module imports the engine, hence torch)."""
 
     def __init__(self, start: float = 0.0) -> None:
         self.now = start
@@ -101,7 +101,7 @@ def simulate(
             i = order[nxt]
             item = items[i]
             sampling = SamplingParams(max_tokens=item.output_len, temperature=0, ignore_eos=True)
-            slo_class = item.label if item.label in classes else DEFAULT_SLO_CLASS  # as bench.replay
+            slo_class = item.label if item.label in classes else DEFAULT_SLO_CLASS  # as workload.replay
             sched.add(
                 Request(
                     f"w{i}",

@@ -1,5 +1,5 @@
 """The simulated load: Poisson/gamma arrivals at a rate for a duration, lengths synthetic or from a
-trace (bench/workload.py's generators, so `superinfer bench` and `simulate` see the same requests).
+trace (workload/arrivals.py's generators, so `superinfer bench` and `simulate` see the same requests).
 
 A CSV trace in Azure's LLM inference format replays its own arrivals instead (`azure_trace`): over
 a window of the trace, compressed by a speed-up, and at a given rate compressed further to reach it.
@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from superinfer.bench.workload import (
+from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import (
     WorkItem,
     azure_trace,
     gamma_arrivals,
@@ -22,7 +23,6 @@ from superinfer.bench.workload import (
     lognormal_lengths,
     mean_rate,
 )
-from superinfer.engine.slo import SLO
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from superinfer.bench.goodput import RequestTiming
 from superinfer.bench.peer_loads import TRACE_SLO, LoadShape, TraceLoad, figures, items
 from superinfer.bench.vllm_peer import parse_args, phase_loads, trace_load, trace_markdown, trace_rows
-from superinfer.bench.workload import (
+from superinfer.cli.main import main
+from superinfer.engine.slo import SLO
+from superinfer.sim.workload_spec import WorkloadSpec, make_workload, trace_rate, trace_speedup
+from superinfer.workload.arrivals import (
     WorkItem,
     azure_trace,
     format_stamp,
@@ -26,9 +28,7 @@ from superinfer.bench.workload import (
     stamp_seconds,
     write_azure_trace,
 )
-from superinfer.cli.main import main
-from superinfer.engine.slo import SLO
-from superinfer.sim.workload_spec import WorkloadSpec, make_workload, trace_rate, trace_speedup
+from superinfer.workload.goodput import RequestTiming
 
 T0 = dt.datetime(2023, 11, 16, 18, 15, 46, 680590)
 ARRIVALS = (0.0, 0.5, 1.25, 2.0, 3.0, 4.5, 6.0, 7.75)

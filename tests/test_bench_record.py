@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from superinfer.bench import record
-from superinfer.bench.record import results_dir, write_result
+from superinfer.workload import record
+from superinfer.workload.record import results_dir, write_result
 
 
 def test_a_checkout_root_gets_the_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,7 +24,7 @@ def test_a_checkout_root_gets_the_records(tmp_path: Path, monkeypatch: pytest.Mo
 def test_the_variable_wins_and_elsewhere_the_package_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no bench/results here
     monkeypatch.delenv("SUPERINFER_RESULTS_DIR", raising=False)
-    assert results_dir() == Path(record.__file__).parent / "results"
+    assert results_dir() == Path(record.__file__).parent.parent / "bench" / "results"
     monkeypatch.setenv("SUPERINFER_RESULTS_DIR", "out")
     assert results_dir() == tmp_path / "out"
 

@@ -4,9 +4,9 @@ burst, with the preemption and rotation counters read from its /metrics."""
 from __future__ import annotations
 
 from superinfer.bench.demo import run_policy
-from superinfer.bench.workload import burst_workload
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import burst_workload
 
 
 async def test_demo_reports_what_the_engine_process_counted() -> None:

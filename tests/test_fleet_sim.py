@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from superinfer.bench.workload import WorkItem
 from superinfer.engine.slo import SLO
 from superinfer.sim.config import SimConfig
 from superinfer.sim.fleet.autoscaler import Fixed, HPABehavior, HPAQueue, PodCounts, SLOAutoscaler, slo_spec
@@ -16,6 +15,7 @@ from superinfer.sim.fleet.report import fleet_report
 from superinfer.sim.fleet.router import make_router
 from superinfer.sim.fleet.scenarios import Lengths, diurnal, diurnal_rate, flash_crowd, peak_rate
 from superinfer.sim.fleet.scrape import VLLM_WAITING
+from superinfer.workload.arrivals import WorkItem
 
 SLO_T = SLO(1000.0, 100.0)
 SMALL = SimConfig(num_gpu_blocks=40, num_cpu_blocks=200, max_num_seqs=8)  # ~ a few dozen short requests/s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from superinfer.bench.gc_pauses import GCPauses
+from superinfer.workload.gc_pauses import GCPauses
 
 
 def test_collections_while_entered_are_timed_and_full_ones_counted():

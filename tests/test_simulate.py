@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from superinfer.bench.peer_loads import CLASSES
-from superinfer.bench.workload import WorkItem, mixed_workload, poisson_workload
 from superinfer.cli.main import main
 from superinfer.engine.core.request import RequestStatus
 from superinfer.engine.slo import SLO
@@ -21,6 +20,7 @@ from superinfer.sim.capacity import max_rate, replicas_for
 from superinfer.sim.config import SimConfig
 from superinfer.sim.report import point_report
 from superinfer.sim.simulator import simulate
+from superinfer.workload.arrivals import WorkItem, mixed_workload, poisson_workload
 
 SLO_TIGHT = SLO(2000.0, 100.0)
 

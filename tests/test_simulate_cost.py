@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from superinfer.bench.step_cost import COPY_LANES
 from superinfer.engine.core.plan import ScheduledSeq, StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.sim.config import SimConfig
 from superinfer.sim.cost import CalibratedCost, RooflineCost, load_calibration, roofline_cost, spread_quantiles
 from superinfer.sim.hardware import get_profile
 from superinfer.sim.model_spec import PRESETS, from_hf_config, load_model_spec
+from superinfer.workload.device_timeline import COPY_LANES
 
 LLAMA = load_model_spec("llama-3-8b")
 # Nominal rates, no launch cost: the bare roofline.

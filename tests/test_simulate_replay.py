@@ -1,5 +1,5 @@
 """Fidelity of the simulator's loop: on the same workload, costs and scheduler limits, it makes
-the same decisions at the same virtual times as bench.replay driving the real engine (tiny model)."""
+the same decisions at the same virtual times as workload.replay driving the real engine (tiny model)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from superinfer.bench.replay import VirtualClock, replay
-from superinfer.bench.step_cost import DeviceTimeline, StepCost
-from superinfer.bench.workload import poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.slo import SLO
 from superinfer.sim.config import SimConfig
 from superinfer.sim.simulator import simulate
+from superinfer.workload.arrivals import poisson_workload, prompt_tokens
+from superinfer.workload.device_timeline import DeviceTimeline, StepCost
+from superinfer.workload.replay import VirtualClock, replay
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "rotary"])

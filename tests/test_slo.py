@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.loadgen import LoadRequest, run_load
 from superinfer.engine.slo import SLO, p99_gap
+from superinfer.workload.goodput import RequestTiming, summarize
+from superinfer.workload.loadgen import LoadRequest, run_load
 
 SLO_ = SLO(ttft_ms=500, tbt_ms=100)
 

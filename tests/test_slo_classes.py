@@ -10,8 +10,6 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
-from superinfer.bench.replay import replay
-from superinfer.bench.workload import WorkItem
 from superinfer.cli.main import main
 from superinfer.engine import contract as c
 from superinfer.engine.config import EngineConfig
@@ -20,6 +18,8 @@ from superinfer.engine.engine import EngineCore
 from superinfer.engine.serving.server import RunningServer, start_server
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass
+from superinfer.workload.arrivals import WorkItem
+from superinfer.workload.replay import replay
 
 MODEL = "tiny-classes"
 # Targets no machine can miss (loose) or meet (strict), so each class's verdict is known in advance.
@@ -251,7 +251,7 @@ async def test_builtin_class_buckets_include_every_threshold():
 
 
 def test_replay_passes_each_labelled_item_its_class():
-    """bench.replay (the `slo` benchmark's engine driver) gives an item labelled with a known SLO
+    """workload.replay (the `slo` benchmark's engine driver) gives an item labelled with a known SLO
     class that class, and any other label the default one."""
     core = EngineCore(EngineConfig(model="tiny", device="cpu", engine_process=False))
     items = [WorkItem(0.0, 8, 3, SLO(), label) for label in ("interactive", "batch", "batch", "long")]

@@ -13,13 +13,13 @@ import math
 
 import pytest
 
-from superinfer.bench.goodput import summarize
-from superinfer.bench.replay import VirtualClock, replay
-from superinfer.bench.workload import burst_workload, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core import policies
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import burst_workload, poisson_workload, prompt_tokens
+from superinfer.workload.goodput import summarize
+from superinfer.workload.replay import VirtualClock, replay
 
 SLO_TARGETS = SLO(ttft_ms=1000, tbt_ms=100)
 

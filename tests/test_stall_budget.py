@@ -11,15 +11,15 @@ import itertools
 
 import pytest
 
-from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.replay import VirtualClock, replay
-from superinfer.bench.workload import RequestClass, burst_workload, mixed_workload, poisson_workload, prompt_tokens
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.core.request import Request
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.slo import SLO
 from superinfer.sim.config import SimConfig
 from superinfer.sim.simulator import simulate
+from superinfer.workload.arrivals import RequestClass, burst_workload, mixed_workload, poisson_workload, prompt_tokens
+from superinfer.workload.goodput import RequestTiming, summarize
+from superinfer.workload.replay import VirtualClock, replay
 
 
 def over_budget(timings: list[RequestTiming], step_s: float) -> list[int]:

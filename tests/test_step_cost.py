@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from superinfer.bench.step_cost import DeviceTimeline, StepCost
 from superinfer.engine.core.plan import ScheduledSeq, StepPlan
 from superinfer.engine.core.request import SamplingParams
+from superinfer.workload.device_timeline import DeviceTimeline, StepCost
 
 COST = StepCost(base_s=0.010, per_token_s=0.0, per_seq_s=0.0, per_block_out_s=0.001, per_block_in_s=0.001)
 SEQ = ScheduledSeq("r", [1], 0, [0], True, SamplingParams())

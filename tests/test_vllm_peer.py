@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from superinfer.bench import server_process
-from superinfer.bench.goodput import RequestTiming
-from superinfer.bench.loadgen import chunk_tokens
 from superinfer.bench.peer_loads import CLASSES, LoadShape, figures, items
 from superinfer.bench.peer_settings import (
     Contender,
@@ -27,9 +25,11 @@ from superinfer.bench.peer_settings import (
 from superinfer.bench.peer_table import cell, markdown, rows, spread, versus_vllm
 from superinfer.bench.server_process import Launch, free_port, serving
 from superinfer.bench.vllm_peer import load_seed, measure, parse_counters, requests
-from superinfer.bench.workload import RequestClass, burst_workload, mixed_workload
 from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import RequestClass, burst_workload, mixed_workload
+from superinfer.workload.goodput import RequestTiming
+from superinfer.workload.loadgen import chunk_tokens
 
 # --- workloads ------------------------------------------------------------------------------------
 

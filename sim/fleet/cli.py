@@ -65,8 +65,8 @@ def fleet_policy(args: argparse.Namespace) -> str:
 
 def load(args: argparse.Namespace, slo: Any) -> tuple[list, str]:
     """The requests and a line saying what they are."""
-    from superinfer.bench.workload import is_arrival_trace
     from superinfer.sim.fleet import scenarios
+    from superinfer.workload.arrivals import is_arrival_trace
 
     lengths = scenarios.Lengths(args.prompt_median, args.output_median, args.max_prompt, args.max_output)
     rates = [float(r) for r in args.rates.split(",")] if args.rates else []
@@ -76,7 +76,7 @@ def load(args: argparse.Namespace, slo: Any) -> tuple[list, str]:
         if rates:
             items = scenarios.trace_at_rate(args.trace, rates[0], slo, args.trace_start, args.trace_duration, lengths)
         else:
-            from superinfer.bench.workload import azure_trace
+            from superinfer.workload.arrivals import azure_trace
 
             items = azure_trace(args.trace, start_s=args.trace_start, duration_s=args.trace_duration,
                                 max_prompt=args.max_prompt, max_output=args.max_output, slo=slo)  # fmt: skip
@@ -116,13 +116,13 @@ def run_fleet_cli(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
 
     from superinfer.engine.slo import SLO
-    from superinfer.sim.cli import sim_config
+    from superinfer.sim.config import SimConfig
     from superinfer.sim.fleet.fleet import DEFAULT_READY_DELAY_S, FleetConfig
     from superinfer.sim.fleet.setups import SPEC_TARGET, Run, replica_capacity, run_setup, sizing_for
 
     console = Console(width=200)
     slo = SLO(args.ttft_slo_ms, args.tbt_slo_ms, args.stall_slo_ms)
-    replica = dataclasses.replace(sim_config(args), policy=fleet_policy(args))
+    replica = dataclasses.replace(SimConfig.from_flags(args), policy=fleet_policy(args))
     items, what = load(args, slo)
     rate_per_replica = args.rate_per_replica
     if rate_per_replica is None:
@@ -160,7 +160,7 @@ def run_fleet_cli(args: argparse.Namespace) -> dict[str, Any]:
         args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
         console.print(f"wrote {args.json}")
     if args.record:
-        from superinfer.bench.record import write_result
+        from superinfer.workload.record import write_result
 
         figures = {label: {k: v for k, v in r.items() if k != "timeline"} for label, r in reports.items()}
         path = write_result("sim-fleet", "cpu", figures, {}, {"header": header, "settings": out["sizing"]}, args.record)

@@ -14,8 +14,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from superinfer.bench.goodput import RequestTiming
-from superinfer.bench.workload import WorkItem
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import class_table
@@ -23,6 +21,8 @@ from superinfer.sim.config import SimConfig
 from superinfer.sim.fleet.autoscaler import Autoscaler, PodCounts, Verdict
 from superinfer.sim.fleet.replica import Job, Phase, Replica
 from superinfer.sim.fleet.router import Endpoint, Router
+from superinfer.workload.arrivals import WorkItem
+from superinfer.workload.goodput import RequestTiming
 
 # A replica's time from creation to ready: scheduling and image start, ~16 GB of Llama-3-8B
 # weights from a model cache, CUDA graph capture and KV allocation. An estimate, not a

@@ -16,8 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from superinfer.bench.goodput import RequestTiming
-from superinfer.bench.step_cost import DeviceTimeline, StepCost
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import Request, SamplingParams
 from superinfer.engine.metrics import EngineMetrics
@@ -26,6 +24,8 @@ from superinfer.engine.slo_classes import SLOClass
 from superinfer.sim.config import SimConfig
 from superinfer.sim.fleet.scrape import PodView, parse_view, render_gauges
 from superinfer.sim.simulator import SAMPLED_TOKEN, VirtualClock, build_scheduler
+from superinfer.workload.device_timeline import DeviceTimeline, StepCost
+from superinfer.workload.goodput import RequestTiming
 
 MODEL_NAME = "sim"
 DRAIN_KILLED = "killed: still running when the drain's shutdown timeout ran out"

@@ -1,4 +1,4 @@
-"""A fleet run's figures: per-class attainment and stall-aware goodput (bench/goodput.py), cost in
+"""A fleet run's figures: per-class attainment and stall-aware goodput (workload/goodput.py), cost in
 replica-seconds, the scale events, a timeline by arrival window, and how long each scale-down left
 a class under its attainment target."""
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from superinfer.bench.goodput import RequestTiming, summarize, summarize_classes
 from superinfer.sim.fleet.fleet import FleetResult, Sample
+from superinfer.workload.goodput import RequestTiming, summarize, summarize_classes
 
 KEYS = (
     "requests",

@@ -1,7 +1,7 @@
 """Fleet loads: a compressed diurnal day, a flash crowd, and an Azure trace replayed at fleet scale.
 
 Synthetic arrivals are an inhomogeneous Poisson process (thinning against the peak rate) with
-bench/workload.py's lognormal lengths, so the same seed gives the same requests at every setup.
+workload/arrivals.py's lognormal lengths, so the same seed gives the same requests at every setup.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from superinfer.bench.workload import WorkItem, azure_trace, lognormal_lengths, mean_rate
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import WorkItem, azure_trace, lognormal_lengths, mean_rate
 
 
 @dataclass(frozen=True)

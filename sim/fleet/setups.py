@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from superinfer.bench.goodput import summarize
-from superinfer.bench.workload import WorkItem
 from superinfer.sim.capacity import max_rate
 from superinfer.sim.config import SimConfig
 from superinfer.sim.fleet.autoscaler import Autoscaler, Fixed, HPAQueue, SLOAutoscaler, slo_spec
@@ -20,6 +18,8 @@ from superinfer.sim.fleet.report import fleet_report
 from superinfer.sim.fleet.router import make_router
 from superinfer.sim.fleet.scenarios import average_rate, peak_rate
 from superinfer.sim.simulator import simulate
+from superinfer.workload.arrivals import WorkItem
+from superinfer.workload.goodput import summarize
 
 AUTOSCALERS = ("slo", "slo-profile", "hpa", "fixed-peak", "fixed-mean")
 SPEC_TARGET = 0.95  # the InferenceService's slo.attainmentTarget default: the autoscaler's and the reports'

@@ -44,6 +44,13 @@ def test_both_entrypoints_exist():
     assert "superinfer.operator.main" in DOCKERFILE  # imported at build time
 
 
+def test_the_image_gets_every_package_pip_installs():
+    """`pip install .` in the image needs every folder pyproject.toml maps a package to."""
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    copied = set(re.findall(r"^COPY (?!--from)(\S+)", DOCKERFILE, flags=re.M))
+    assert set(package_dirs.values()) <= copied
+
+
 def test_dockerignore_keeps_the_context_small():
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     assert lines.count("*") == 1

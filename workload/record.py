@@ -16,11 +16,11 @@ from typing import Any
 
 def results_dir() -> Path:
     """Where records go: $SUPERINFER_RESULTS_DIR, else the checkout's bench/results when run from a
-    checkout's root, else the folder beside this file (an installed package's, only as a last resort)."""
+    checkout's root, else the installed package's bench/results (only as a last resort)."""
     if env := os.environ.get("SUPERINFER_RESULTS_DIR"):
         return Path(env).resolve()
     checkout = Path.cwd() / "bench" / "results"
-    return checkout if checkout.is_dir() else Path(__file__).parent / "results"
+    return checkout if checkout.is_dir() else Path(__file__).parent.parent / "bench" / "results"
 
 
 def device_name(device: str) -> str:

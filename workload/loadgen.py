@@ -18,10 +18,10 @@ from typing import Any
 
 import aiohttp
 
-from superinfer.bench.goodput import RequestTiming, summarize
-from superinfer.bench.workload import WorkItem
 from superinfer.engine.contract import COMPLETIONS_PATH
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import WorkItem
+from superinfer.workload.goodput import RequestTiming, summarize
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from superinfer.bench.loadgen import bench_endpoint
-from superinfer.bench.workload import poisson_workload
 from superinfer.engine.contract import MODELS_PATH
 from superinfer.engine.slo import SLO
+from superinfer.workload.arrivals import poisson_workload
+from superinfer.workload.loadgen import bench_endpoint
 
 
 async def served_model(base_url: str) -> str:

@@ -4,7 +4,7 @@ The model runs for real (every token is computed), but time advances by a model 
 timeline (`step_cost.py`: op costs, placed under the executor's ordering rules) instead of the
 wall clock, so SLO results are reproducible on any machine: the scheduler's
 decisions (and VLT) see exactly the same times on every run. Used by the tests and the `slo`
-benchmark; HTTP runs against any OpenAI endpoint go through `bench/loadgen.py`.
+benchmark; HTTP runs against any OpenAI endpoint go through `workload/loadgen.py`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,6 @@ import math
 import time
 from collections.abc import Sequence
 
-from superinfer.bench.gc_pauses import GCPauses
-from superinfer.bench.goodput import RequestTiming
-from superinfer.bench.step_cost import DeviceTimeline
-from superinfer.bench.workload import WorkItem
 from superinfer.engine.contract import DEFAULT_SLO_CLASS
 from superinfer.engine.core.plan import StepPlan
 from superinfer.engine.core.request import SamplingParams
@@ -24,6 +20,10 @@ from superinfer.engine.core.scheduler import PREEMPTION_KINDS
 from superinfer.engine.engine import EngineCore
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.engine.worker.runner import SubmittedStep
+from superinfer.workload.arrivals import WorkItem
+from superinfer.workload.device_timeline import DeviceTimeline
+from superinfer.workload.gc_pauses import GCPauses
+from superinfer.workload.goodput import RequestTiming
 
 StepLogLine = dict[str, float | str]  # one step of a step log (`step_entry`, completed at collection)
 
