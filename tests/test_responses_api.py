@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import pytest_asyncio
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -41,14 +42,24 @@ WEATHER = {
 TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
 
 
-@pytest.fixture
+# One server for the module (its tests only read it), on the module's event loop.
+ON_THE_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server():
-    """The tiny model with room for tool listings (conftest's `client` connects to this one)."""
+    """The tiny model with room for tool listings."""
     running = await start_server(
         EngineConfig(model="tiny", served_model_name=MODEL, device="cpu", port=0, max_model_len=1024)
     )
     yield running
     await running.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(server):
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as cl:
+        yield cl
 
 
 async def stream_events(server, body: dict) -> list:
@@ -113,6 +124,7 @@ async def answer_both_ways(server, body: dict) -> tuple[Response, list]:
     return response, events
 
 
+@ON_THE_MODULE_LOOP
 async def test_text_answers_whole_and_streamed_with_the_official_client(client, server):
     done = await client.responses.create(
         model=MODEL, instructions="Be brief.", input="Tell me about the harbor.", max_output_tokens=12, temperature=0
@@ -143,6 +155,7 @@ async def test_text_answers_whole_and_streamed_with_the_official_client(client, 
     assert response.metadata == {} and response.store is False
 
 
+@ON_THE_MODULE_LOOP
 @pytest.mark.parametrize(
     "tool_choice", ["auto", "required", {"type": "function", "name": "get_weather"}], ids=["auto", "required", "named"]
 )
@@ -168,6 +181,7 @@ async def test_function_tools_whole_and_streamed(server, tool_choice):
     assert "response.function_call_arguments.done" in [e.type for e in events]
 
 
+@ON_THE_MODULE_LOOP
 async def test_a_function_call_output_round_trip(client, server):
     first = await client.responses.create(
         model=MODEL,
@@ -191,6 +205,7 @@ async def test_a_function_call_output_round_trip(client, server):
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output are in the prompt
 
 
+@ON_THE_MODULE_LOOP
 async def test_the_sdk_stream_helper_accumulates_a_final_response(client):
     """`client.responses.stream(...)`, the SDK's helper that builds the response from the events:
     a finished answer (structured output parsed into the model, a forced call) is its final
@@ -249,6 +264,7 @@ def test_input_items_become_chat_messages():
     ]
 
 
+@ON_THE_MODULE_LOOP
 async def test_text_format_json_schema_validates_whole_and_streamed(server):
     text = {"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}}
     body = {"model": MODEL, "input": "Weather?", "text": text, "max_output_tokens": 200, "seed": 3}
@@ -273,6 +289,7 @@ REFUSED = [
 ]
 
 
+@ON_THE_MODULE_LOOP
 async def test_what_the_server_cannot_do_is_a_clear_400_and_it_keeps_serving(server):
     for extra, param in REFUSED:
         body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3, **extra}
@@ -282,6 +299,7 @@ async def test_what_the_server_cannot_do_is_a_clear_400_and_it_keeps_serving(ser
     assert status == 200 and fine["usage"]["output_tokens"] == 3
 
 
+@ON_THE_MODULE_LOOP
 async def test_unknown_model_and_slo_class_as_on_the_other_endpoints(client):
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(model="other", input="Hi")

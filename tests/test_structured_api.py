@@ -255,10 +255,15 @@ def streamed_message(chunks: list[dict]) -> tuple[str | None, list[dict], str | 
     return content or None, list(calls.values()), finish
 
 
-@pytest.mark.parametrize("tool_choice", ["auto", "required", NAMED], ids=["auto", "required", "named"])
-async def test_a_tool_call_cut_by_max_tokens_is_the_same_streamed_and_not(server, tool_choice):
-    """max_tokens ends the answer in the tag, in the name and in the arguments: finish_reason
-    "length", the call (once named) with its partial arguments, no wrapper as text, either way."""
+async def test_a_tool_call_cut_by_max_tokens_is_the_same_streamed_and_not(server):
+    """For each tool_choice, max_tokens ends the answer in the tag, in the name and in the
+    arguments: finish_reason "length", the call (once named) with its partial arguments, no
+    wrapper as text, either way."""
+    for tool_choice in ("auto", "required", NAMED):
+        await _cut_tool_calls(server, tool_choice)
+
+
+async def _cut_tool_calls(server, tool_choice) -> None:
     body = {**CHAT, "tools": TOOLS, "tool_choice": tool_choice}
     if tool_choice == "auto":
         body["guided_choice"] = [HERMES_CALL]
