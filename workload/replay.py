@@ -1,7 +1,7 @@
 """Replay a workload through the real engine on a virtual clock.
 
 The model runs for real (every token is computed), but time advances by a model of the device's
-timeline (`step_cost.py`: op costs, placed under the executor's ordering rules) instead of the
+timeline (`device_timeline.py`: op costs, placed under the executor's ordering rules) instead of the
 wall clock, so SLO results are reproducible on any machine: the scheduler's
 decisions (and VLT) see exactly the same times on every run. Used by the tests and the `slo`
 benchmark; HTTP runs against any OpenAI endpoint go through `workload/loadgen.py`.
