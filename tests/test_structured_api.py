@@ -7,7 +7,9 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
+import pytest_asyncio
 
 from superinfer.engine.config import EngineConfig
 from superinfer.engine.output import RequestOutput
@@ -46,10 +48,13 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 200, "seed": 3}
 
 
-@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+# One server per scheduling mode for the module (its tests only send requests), on the module's loop.
+ON_THE_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 async def server(request):
-    """The tiny model with room for tool listings in the prompt (the shared fixture has 256 tokens);
-    conftest's `client` fixture connects to this one in this module."""
+    """The tiny model with room for tool listings in the prompt (the shared fixture has 256 tokens)."""
     running = await start_server(
         EngineConfig(
             model="tiny",
@@ -64,6 +69,13 @@ async def server(request):
     await running.close()
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(server):
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as cl:
+        yield cl
+
+
+@ON_THE_MODULE_LOOP
 async def test_json_schema_answers_always_validate(server):
     body = {**CHAT, "n": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
     status, done = await post(server, "/v1/chat/completions", body)
@@ -76,6 +88,7 @@ async def test_json_schema_answers_always_validate(server):
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@ON_THE_MODULE_LOOP
 async def test_vllm_guided_fields_on_completions(server):
     base = {"model": MODEL, "prompt": "Answer:", "max_tokens": 60, "seed": 1, "n": 3}
     status, done = await post(server, "/v1/completions", {**base, "guided_choice": ["yes", "no", "maybe"]})
@@ -89,6 +102,7 @@ async def test_vllm_guided_fields_on_completions(server):
         jsonschema.validate(json.loads(choice["text"]), SCHEMA)
 
 
+@ON_THE_MODULE_LOOP
 async def test_a_schema_the_engine_cannot_follow_is_a_400(server):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}}
     status, err = await post(server, "/v1/chat/completions", {**CHAT, "response_format": bad})
@@ -107,6 +121,7 @@ async def test_a_schema_the_engine_cannot_follow_is_a_400(server):
     assert status == 400 and "min_tokens" in err["error"]["message"]
 
 
+@ON_THE_MODULE_LOOP
 async def test_ignore_eos_runs_past_the_grammars_end_on_eos_only(server):
     body = {"model": MODEL, "prompt": "x", "guided_choice": ["yes", "no"], "max_tokens": 12, "ignore_eos": True}
     status, done = await post(server, "/v1/completions", body)
@@ -126,6 +141,7 @@ def check_calls(calls: list[dict], names: set[str]) -> None:
             jsonschema.validate(arguments, params[call["function"]["name"]])
 
 
+@ON_THE_MODULE_LOOP
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
 )
@@ -162,6 +178,7 @@ async def test_forced_tool_calls_parse_and_validate_streamed_and_not(client, too
     ]
 
 
+@ON_THE_MODULE_LOOP
 async def test_a_tool_round_trip_renders_through_the_chat_template(client, server):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
     messages = [
@@ -205,6 +222,7 @@ def model_folder(tmp_path, arch: str, template: str | None = None):
     return folder
 
 
+@ON_THE_MODULE_LOOP
 @pytest.mark.parametrize(
     ("arch", "template", "call"),
     [("qwen3", None, HERMES_CALL), ("llama", LLAMA3_TEMPLATE, LLAMA3_CALL)],
@@ -228,6 +246,7 @@ async def test_auto_tool_calls_work_without_a_parser_flag(tmp_path, arch, templa
         await running.close()
 
 
+@ON_THE_MODULE_LOOP
 async def test_auto_tool_choice_without_a_known_format_is_a_clear_400(tmp_path):
     plain = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ tools }}"
     folder = model_folder(tmp_path, "qwen3", plain.replace("{{ tools }}", ""))
@@ -255,6 +274,7 @@ def streamed_message(chunks: list[dict]) -> tuple[str | None, list[dict], str | 
     return content or None, list(calls.values()), finish
 
 
+@ON_THE_MODULE_LOOP
 async def test_a_tool_call_cut_by_max_tokens_is_the_same_streamed_and_not(server):
     """For each tool_choice, max_tokens ends the answer in the tag, in the name and in the
     arguments: finish_reason "length", the call (once named) with its partial arguments, no
@@ -308,6 +328,7 @@ def test_auto_tool_calls_come_back_as_tool_calls_whole_and_streamed():
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
+@ON_THE_MODULE_LOOP
 async def test_an_agent_tool_loop_with_the_official_client(client):
     """Ask with tools, run the call the model makes, send the result back, get an answer."""
     messages: list = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -325,6 +346,7 @@ async def test_an_agent_tool_loop_with_the_official_client(client):
     assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
 
 
+@ON_THE_MODULE_LOOP
 async def test_a_grammar_past_llguidances_limits_ends_the_answer_as_abort_not_stop(server):
     """A repetition count of a million passes compilation and stops the matcher after a token:
     the answer then cannot follow its grammar, and says so ("stop" promises text that parses)."""
