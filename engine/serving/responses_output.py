@@ -21,9 +21,17 @@ from superinfer.engine.serving.completion_bodies import ChatFormat
 from superinfer.engine.serving.request_models import APIError
 from superinfer.engine.serving.responses_request import ResponsesRequest
 
-# finish_reason -> the response's status; the item a cut-off answer leaves is "incomplete".
-STATUS = {"length": "incomplete", "abort": "failed"}
 ABORTED = {"code": "server_error", "message": "the engine ended the answer before it was done (finish reason abort)"}
+
+
+def ending(finish_reason: str | None) -> tuple[str, str, dict[str, Any] | None]:
+    """The response's status, its last item's status and its error, for a finish reason: the length
+    limit leaves it incomplete, an abort failed."""
+    if finish_reason == "length":
+        return "incomplete", "incomplete", None
+    if finish_reason == "abort":
+        return "failed", "completed", ABORTED
+    return "completed", "completed", None
 
 
 def _id(prefix: str) -> str:
@@ -105,15 +113,14 @@ class ResponsesFormat:
     # --- whole ------------------------------------------------------------------------------
     def full(self, outs: dict[int, list[RequestOutput]]) -> dict[str, Any]:
         (choice,) = self.chat.full(outs)["choices"]
-        message, reason = choice["message"], choice["finish_reason"]
-        status = STATUS.get(reason, "completed")
-        item_status = "incomplete" if status == "incomplete" else "completed"
+        message = choice["message"]
+        status, item_status, error = ending(choice["finish_reason"])
         if message["content"] or not message.get("tool_calls"):  # an empty answer is an empty message
             self.items.append(message_item(message["content"] or "", item_status))
         for call in message.get("tool_calls") or []:
             function = call["function"]
             self.items.append(call_item(call["id"], function["name"], function["arguments"], item_status))
-        return self.response(status, ABORTED if status == "failed" else None)
+        return self.response(status, error)
 
     # --- streamed ---------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -196,11 +203,10 @@ class ResponsesFormat:
 
     def finish(self) -> list[dict[str, Any]]:
         """The open item's closing events and the terminal event."""
-        status = STATUS.get(self.finish_reason or "", "completed")
+        status, item_status, error = ending(self.finish_reason)
         events = [] if self.items else self._open_message()  # an empty answer is an empty message
-        events += self._close("incomplete" if status == "incomplete" else "completed")
-        response = self.response(status, ABORTED if status == "failed" else None)
-        return [*events, self._event(f"response.{status}", response=response)]
+        events += self._close(item_status)
+        return [*events, self._event(f"response.{status}", response=self.response(status, error))]
 
     def fail(self, err: APIError) -> list[dict[str, Any]]:
         """The stream broke after the status line went out (the engine failed)."""

@@ -302,11 +302,16 @@ class ToolCallStream(ABC):
                 self._send_arguments()  # what broke came after them
             return rest
         if self._index is None and scanner.can_commit():
-            self._index, self._calls = self._calls, self._calls + 1
-            self._out.append(ToolCallDelta(self._index, name=scanner.name))
+            self._commit()
         if self._index is not None:
             self._send_arguments()
         return rest
+
+    def _commit(self) -> None:
+        """The current call is certain: it gets the next index, and its name goes out."""
+        assert self._scanner is not None
+        self._index, self._calls = self._calls, self._calls + 1
+        self._out.append(ToolCallDelta(self._index, name=self._scanner.name))
 
     def _send_arguments(self) -> None:
         assert self._scanner is not None and self._index is not None
@@ -325,8 +330,7 @@ class ToolCallStream(ABC):
             self._undo_call()
             return
         if self._index is None:
-            self._index, self._calls = self._calls, self._calls + 1
-            self._out.append(ToolCallDelta(self._index, name=scanner.name))
+            self._commit()
         self._send_arguments()
 
     def _undo_call(self) -> bool:
