@@ -70,6 +70,29 @@ def build_scheduler(config: SimConfig, clock: Callable[[], float]) -> Scheduler:
     return Scheduler(sched_config, kv, make_policy(config.policy, config.rotary_params(), num_blocks), clock)
 
 
+def run_step(
+    sched: Scheduler,
+    timeline: DeviceTimeline,
+    clock: VirtualClock,
+    host_s: float,
+    async_scheduling: bool,
+    in_flight: list[tuple[StepPlan, float]],
+    collect: Callable[[StepPlan, float], None],
+    on_step: Callable[[Scheduler, StepPlan], None] | None = None,
+) -> StepPlan:
+    """Plan one step, place it on the device timeline, and collect the steps that must be done
+    before the next is planned (all of them; with async scheduling all but this one)."""
+    plan = sched.schedule()
+    if on_step is not None:
+        on_step(sched, plan)
+    clock.now += host_s  # the host planned it; with async scheduling the device was busy meanwhile
+    in_flight.append((plan, timeline.run(plan, clock.now)))
+    keep = 1 if async_scheduling and not plan.is_empty else 0
+    while len(in_flight) > keep:
+        collect(*in_flight.pop(0))
+    return plan
+
+
 def simulate(
     config: SimConfig,
     items: Sequence[WorkItem],
@@ -117,17 +140,10 @@ def simulate(
         if not sched.has_work and not in_flight:
             clock.now = items[order[nxt]].arrival_s
             continue
-        plan = sched.schedule()
-        if on_step is not None:
-            on_step(sched, plan)
-        clock.now += host_s  # the host planned it; with async scheduling the device was busy meanwhile
+        plan = run_step(sched, timeline, clock, host_s, config.async_scheduling, in_flight, collect, on_step)
         steps += 1
         blocks_out += len(plan.swap_out)
         blocks_in += len(plan.swap_in)
-        in_flight.append((plan, timeline.run(plan, clock.now)))
-        keep = 1 if config.async_scheduling and not plan.is_empty else 0
-        while len(in_flight) > keep:
-            collect(*in_flight.pop(0))
         if plan.is_empty and not in_flight:
             idle += 1
             if nxt < len(order):

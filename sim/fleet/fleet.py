@@ -11,6 +11,7 @@ its arrival time). A request with no ready replica to go to fails, as a gateway'
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -181,8 +182,6 @@ class Fleet:
 
     # ---- the clock ---------------------------------------------------------------------------
     def run(self, items: Sequence[WorkItem]) -> FleetResult:
-        import time
-
         t0 = time.perf_counter()
         c = self.config
         order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)

@@ -23,7 +23,7 @@ from superinfer.engine.slo import SLO
 from superinfer.engine.slo_classes import SLOClass
 from superinfer.sim.config import SimConfig
 from superinfer.sim.fleet.scrape import PodView, parse_view, render_gauges
-from superinfer.sim.simulator import SAMPLED_TOKEN, VirtualClock, build_scheduler
+from superinfer.sim.simulator import SAMPLED_TOKEN, VirtualClock, build_scheduler, run_step
 from superinfer.workload.device_timeline import DeviceTimeline, StepCost
 from superinfer.workload.goodput import RequestTiming
 
@@ -110,9 +110,10 @@ class Replica:
     def drain(self, now: float, grace_s: float) -> None:
         """Taken out of the endpoints at `now`: it serves what it has for at most `grace_s`."""
         if self.life.drain_at is None:
-            self.life = Lifecycle(self.life.created, self.life.ready_at, now, now + grace_s)
             if now < self.life.ready_at:  # never became ready: it has nothing to finish
-                self.life = Lifecycle(self.life.created, self.life.ready_at, now, now, now)
+                self.life = dataclasses.replace(self.life, drain_at=now, kill_at=now, gone_at=now)
+            else:
+                self.life = dataclasses.replace(self.life, drain_at=now, kill_at=now + grace_s)
 
     @property
     def outstanding(self) -> int:
@@ -175,12 +176,9 @@ class Replica:
                 return
             if clock.now >= t:
                 return
-            plan = self.sched.schedule()
-            clock.now += self.host_s
-            self.in_flight.append((plan, self.timeline.run(plan, clock.now)))
-            keep = 1 if self.async_scheduling and not plan.is_empty else 0
-            while len(self.in_flight) > keep:
-                self._collect(*self.in_flight.pop(0))
+            run_step(
+                self.sched, self.timeline, clock, self.host_s, self.async_scheduling, self.in_flight, self._collect
+            )
 
     def kill(self, now: float) -> None:
         """The drain deadline: whatever is still running is cut off; the replica is gone."""
@@ -193,14 +191,12 @@ class Replica:
         self.killed |= {rid for rid in self.jobs if rid not in self.finished}
         self.pending.clear()
         self.in_flight.clear()
-        self.life = Lifecycle(self.life.created, self.life.ready_at, self.life.drain_at, self.life.kill_at, now)
+        self.life = dataclasses.replace(self.life, gone_at=now)
 
     def retire_if_idle(self, now: float) -> bool:
         """A draining replica with nothing left exits (the engine stops once drained)."""
         if self.phase(now) is Phase.DRAINING and self.outstanding == 0:
-            self.life = Lifecycle(
-                self.life.created, self.life.ready_at, self.life.drain_at, self.life.kill_at, max(now, self.clock.now)
-            )
+            self.life = dataclasses.replace(self.life, gone_at=max(now, self.clock.now))
             return True
         return False
 
