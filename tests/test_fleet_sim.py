@@ -202,3 +202,22 @@ def test_the_pickers_metrics_are_the_queue_and_the_gpu_pool():
     assert view.rotary == r.sched.num_rotary > 0  # streams rotated out, not counted as waiting
     assert view.vllm_kv_usage == pytest.approx(r.sched.kv.usage) == pytest.approx(view.kv_gpu)
     assert view.vllm_running == r.sched.num_running and view.gpu_blocks == SMALL.num_gpu_blocks
+
+
+def test_autoscaler_stacks_scale_ups_during_a_crowd_and_none_after_it():
+    """Issue 48's findings in decide(), as a scenario: a crowd (16x for 60 s) longer than a replica's
+    start (30 s). Pods still starting count as capacity on the way, so scale-ups stack while they
+    start and the fleet is at its maximum before the crowd ends (before: one doubling per start);
+    once it has passed, the backlog left on the first pods and the window still counting the crowd
+    order nothing more (before: 4 -> 6 ten seconds after it ended); and the fleet then shrinks by
+    more than one replica at a time."""
+    end = 80.0
+    items = flash_crowd(4, 130, SLO_T, factor=16, start_s=20, length_s=end - 20, lengths=SHORT, seed=1)
+    config = FleetConfig(SMALL, initial_replicas=1, ready_delay_s=30, scrape_s=0.1, default_slo=SLO_T)
+    result = run_fleet(config, make_router("epp"), SLOAutoscaler(fast_spec(max_replicas=6)), items)
+    ups = [e for e in result.events if e.to_replicas > e.from_replicas]
+    downs = [e for e in result.events if e.to_replicas < e.from_replicas]
+    assert any("still starting" in e.message for e in ups)  # stacked on pods not ready yet
+    assert ups[-1].to_replicas == 6 and ups[-1].time < end
+    assert downs and downs[0].from_replicas - downs[0].to_replicas > 1
+    assert all(e.time < end for e in ups)

@@ -5,14 +5,22 @@ Order of the rules (first match wins):
    (ScalingReady=False) until no such write has been seen for stabilizationSeconds;
 1. bounds changed → clamp to [min, max];
 2. initial delay, missing/stale metrics → hold (MetricsAvailable=False);
-3. pods pending → hold (never stack scale-ups); unschedulable → hold, InsufficientCapacity;
+3. unschedulable pods → hold, InsufficientCapacity;
 4. distress (attainment < target, a class's p90 TTFT/TBT over that class's SLO, more than
    STALLED_SHARE_LIMIT of a class's requests stalled past its stall budget, or saturation) →
-   proportional scale-up, capped at +maxStepPercent (≤ 2×) and maxReplicas, after the cooldown;
-5. too few finished requests → hold (SLOMet=Unknown);
-6. healthy for stabilizationSeconds → remove one replica if the survivors, taking N/(N-1) of the
-   load, are predicted to keep every class under sensitivity × its SLO (consolidation check), and
-   the capacity profile, when given, lets N-1 replicas take the request rate.
+   proportional scale-up, sized from the ready pods that measured it and capped at
+   +maxStepPercent (≤ 2×) of spec.replicas and maxReplicas, after the cooldown. Pods still
+   starting count as capacity on the way: with pods pending, scale further only when the ready
+   pods' distress asks for more than spec.replicas already holds. When requests wait on some pods
+   while at least half the ready pods have nothing queued and nothing rotated out, and streams
+   flow (every class within its TBT target and stall limit), the distress is a backlog on those
+   pods (placed before the others had room, or a window still counting a burst that has passed),
+   which new replicas would not reach: hold;
+5. pods pending (no distress) → hold; too few finished requests → hold (SLOMet=Unknown);
+6. healthy for stabilizationSeconds → remove replicas, down to the fewest (at most half of them in
+   one step) whose survivors, taking the whole load, are predicted to keep every class under
+   sensitivity × its SLO (consolidation check), and the capacity profile, when given, lets them
+   take the request rate.
 With a capacity profile, a scale-up is also at least as large as the profile says the rate needs.
 
 Latency and stalls are judged per SLO class (class_pressure.py), for the classes with minRequests
@@ -32,6 +40,7 @@ from superinfer.operator.autoscaling.class_pressure import (
     ClassLatency,
     Targets,
     class_latencies,
+    over_stall_limit,
     over_targets,
     spec_targets,
 )
@@ -139,8 +148,8 @@ def judged_classes(s: WindowStats, p: Params) -> list[ClassLatency]:
 
 
 def distress_ratio(s: WindowStats, p: Params, replicas: int) -> tuple[float, str]:
-    """How far over the SLO the service is (>1 means scale up by about that factor) and why, the
-    worst reason first."""
+    """How far over the SLO the `replicas` serving pods are (>1 means they need about that factor
+    more) and why, the worst reason first."""
     reasons: list[tuple[float, str]] = []
     if s.attainment is not None and s.requests >= p.min_requests and s.attainment < p.target:
         reasons.append((p.target / max(s.attainment, 0.05), f"attainment {s.attainment:.2f} < {p.target:.2f}"))
@@ -160,10 +169,21 @@ def distress_ratio(s: WindowStats, p: Params, replicas: int) -> tuple[float, str
     return reasons[0][0], "; ".join(text for _, text in reasons)
 
 
-def scale_up_target(current: int, ratio: float, p: Params, profile_wants: int = 0) -> int:
-    """Proportional (or what the capacity profile wants, if more), at least +1, at most
-    +maxStepPercent (≤ 2×) and maxReplicas."""
-    wanted = max(math.ceil(current * ratio - 1e-9), profile_wants)
+def streams_flow(s: WindowStats, p: Params) -> bool:
+    """No judged class's p90 gap between tokens is over its TBT target and none stalls past its
+    limit: the pods are not too slow or too full, whatever waits is waiting for a place."""
+    return all(
+        (c.tbt_p90_ms is None or c.tbt_p90_ms <= c.targets.tbt_ms) and not over_stall_limit(c)
+        for c in judged_classes(s, p)
+    )
+
+
+def scale_up_target(current: int, ratio: float, p: Params, profile_wants: int = 0, serving: int | None = None) -> int:
+    """Proportional to the `serving` pods that measured the distress (all `current` by default), or
+    what the capacity profile wants if more; at least +1, at most +maxStepPercent (≤ 2×) of
+    `current` and maxReplicas."""
+    serving = current if serving is None else serving
+    wanted = max(math.ceil(serving * ratio - 1e-9), profile_wants)
     cap = current + max(1, math.floor(current * p.max_step_percent / 100))
     return _clamp(max(current + 1, min(wanted, cap)), p)
 
@@ -180,23 +200,23 @@ def profile_replicas(s: WindowStats, p: Params) -> int:
     return math.ceil(request_rate(s) / p.max_rate_per_replica - 1e-9)
 
 
-def profile_check(s: WindowStats, p: Params, n: int) -> tuple[bool, str]:
-    """Whether the capacity profile lets n-1 replicas take today's rate. Advisory: when n replicas
-    already meet the SLO above the profile's rate per replica, the profile underestimates and only
-    a note is returned."""
+def profile_check(s: WindowStats, p: Params, n: int, m: int) -> tuple[bool, str]:
+    """Whether the capacity profile lets m of today's n replicas take today's rate. Advisory: when
+    n replicas already meet the SLO above the profile's rate per replica, the profile
+    underestimates and only a note is returned."""
     if not p.max_rate_per_replica:
         return True, ""
     rate, cap = request_rate(s), p.max_rate_per_replica
     if rate / n > cap:
         return True, f"capacity profile ignored: {rate / n:.2f} req/s per replica already meets the SLO (> {cap:g})"
-    if rate > (n - 1) * cap:
+    if rate > m * cap:
         return False, f"capacity profile: {rate:.2f} req/s needs {math.ceil(rate / cap)} replica(s) at {cap:g} each"
-    return True, f"capacity profile: {rate:.2f} req/s fits {n - 1} replica(s) at {cap:g} each"
+    return True, f"capacity profile: {rate:.2f} req/s fits {m} replica(s) at {cap:g} each"
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """One class's p90s predicted for n-1 replicas, and the limits they must stay under."""
+    """One class's p90s predicted for fewer replicas, and the limits they must stay under."""
 
     name: str
     tbt_ms: float
@@ -213,11 +233,12 @@ class Prediction:
         return max(self.tbt_ms / self.tbt_limit_ms, self.ttft_ms / self.ttft_limit_ms)
 
 
-def predict_classes(s: WindowStats, p: Params, n: int, model: LatencyModel) -> list[Prediction]:
-    """Each judged class's p90s once n-1 replicas take n/(n-1) of the load each. The replica's TBT
-    growth (fitted line, on the mean of all tokens) scales every class's p90 alike; TTFT grows with
-    queueing."""
-    grow = n / (n - 1)
+def predict_classes(s: WindowStats, p: Params, n: int, model: LatencyModel, m: int | None = None) -> list[Prediction]:
+    """Each judged class's p90s once m (default n-1) of n replicas take n/m of the load each. The
+    replica's TBT growth (fitted line, on the mean of all tokens) scales every class's p90 alike;
+    TTFT grows with queueing."""
+    m = n - 1 if m is None else m
+    grow = n / m
     batch_now = s.running / n
     batch_after = batch_now * grow
     tbt_now = (s.tbt_mean_ms or s.tbt_p90_ms or 0.0) / 1000 or None
@@ -234,10 +255,12 @@ def predict_classes(s: WindowStats, p: Params, n: int, model: LatencyModel) -> l
     return out
 
 
-def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel) -> tuple[bool, str]:
-    """Would n-1 replicas, taking n/(n-1) of the load each, keep every class under sensitivity × its SLO?"""
-    predictions = predict_classes(s, p, n, model)
-    queued_after = s.waiting / (n - 1)
+def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel, m: int | None = None) -> tuple[bool, str]:
+    """Would m (default n-1) of n replicas, taking n/m of the load each, keep every class under
+    sensitivity × its SLO?"""
+    m = n - 1 if m is None else m
+    predictions = predict_classes(s, p, n, model, m)
+    queued_after = s.waiting / m
     ok = all(c.ok for c in predictions) and queued_after <= WAITING_PER_REPLICA
     parts = [
         f"class {c.name} p90 TBT {c.tbt_ms:.0f}ms (limit {c.tbt_limit_ms:.0f}), "
@@ -246,7 +269,23 @@ def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel) -> tup
     ]
     if queued_after > WAITING_PER_REPLICA:
         parts.insert(0, f"{queued_after:.1f} queued per replica (limit {WAITING_PER_REPLICA:g})")
-    return ok, f"with {n - 1} replica(s), predicted: " + ("; ".join(parts) or "no class with enough requests")
+    return ok, f"with {m} replica(s), predicted: " + ("; ".join(parts) or "no class with enough requests")
+
+
+def fewest_replicas(s: WindowStats, p: Params, n: int, model: LatencyModel) -> tuple[int, bool, bool, str]:
+    """The fewest replicas m, from n-1 down to half of n (not below minReplicas), that the
+    consolidation check and the capacity profile accept: (m, safe, fits, why). When n-1 is not
+    accepted, n-1's verdicts. The caller guarantees n-1 >= minReplicas."""
+    best = None
+    for m in range(n - 1, max(p.min_replicas, math.ceil(n / 2)) - 1, -1):
+        ok, text = consolidation(s, p, n, model, m)
+        fits, note = profile_check(s, p, n, m)
+        verdict = (m, ok, fits, f"{text}; {note}" if note else text)
+        if not (ok and fits):
+            return best or verdict
+        best = verdict
+    assert best is not None
+    return best
 
 
 def _slo_cond(s: WindowStats | None, p: Params) -> Cond:
@@ -320,27 +359,35 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
         return out("Hold", n, "InitialDelay", f"waiting {p.initial_delay_seconds:g}s before the first decision")
     if not metrics_ok or s is None:
         return out("Hold", n, "MetricsStale", "holding: engine metrics are missing or stale")
-    # 3. Pending pods.
+    # 3. Capacity the cluster cannot place.
     if obs.unschedulable:
         msg = f"{obs.unschedulable} pod(s) cannot be scheduled; no further scale-up until capacity appears"
         return out(
             "Hold", n, "InsufficientCapacity", msg, scaling=Cond("ScalingReady", FALSE, "InsufficientCapacity", msg)
         )
-    if obs.pending:
-        return out("Hold", n, "PodsPending", f"{obs.pending} pod(s) still starting; not stacking scale-ups")
-    # 4. Distress.
-    ratio, why = distress_ratio(s, p, n)
+    # 4. Distress, judged on the pods that serve; pods still starting count as capacity on the way.
+    serving = max(obs.ready, 1)
+    ratio, why = distress_ratio(s, p, serving)
     if ratio > 1.0:
         unhealthy = replace(mem, healthy_since=None)
         if n >= p.max_replicas:
             return out("Hold", n, "AtMaxReplicas", f"{why}; already at maxReplicas {p.max_replicas}", unhealthy)
+        if s.waiting + s.rotary > 0 and 2 * s.pods_with_room >= serving and streams_flow(s, p):
+            msg = f"{why}; but {s.pods_with_room} of {serving} ready pod(s) have nothing queued or rotated out"
+            return out("Hold", n, "BacklogNotCapacity", msg, unhealthy)
+        wants = profile_replicas(s, p)
+        target = scale_up_target(n, ratio, p, wants, serving)
+        if obs.pending and math.ceil(serving * ratio - 1e-9) <= n and wants <= n:
+            msg = f"{why}; {obs.pending} pod(s) still starting cover it ({n} replicas)"
+            return out("Hold", n, "PodsPending", msg, unhealthy)
         if mem.last_scale_at is not None and obs.now - mem.last_scale_at < p.cooldown_seconds:
             return out("Hold", n, "Cooldown", f"{why}; in scale-up cooldown", unhealthy)
-        wants = profile_replicas(s, p)
-        target = scale_up_target(n, ratio, p, wants)
         sized = f" (capacity profile: {request_rate(s):.2f} req/s needs {wants})" if wants > n else ""
-        return out("ScaleUp", target, "SLODistress", f"{why}: {n} → {target} replicas{sized}", unhealthy)
-    # 5. Evidence.
+        pending = f" ({obs.pending} still starting)" if obs.pending else ""
+        return out("ScaleUp", target, "SLODistress", f"{why}: {n}{pending} → {target} replicas{sized}", unhealthy)
+    # 5. Pods on the way, evidence.
+    if obs.pending:
+        return out("Hold", n, "PodsPending", f"{obs.pending} pod(s) still starting")
     if s.requests < p.min_requests:
         return out("Hold", n, "TooFewRequests", f"{int(s.requests)} finished requests in the window")
     # 6. Consolidation.
@@ -353,11 +400,9 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
         return out("Hold", n, "Stabilizing", f"SLO met for {waited:.0f}s of {p.stabilization_seconds:g}s", healthy)
     if mem.last_scale_at is not None and obs.now - mem.last_scale_at < p.stabilization_seconds:
         return out("Hold", n, "Stabilizing", "recently scaled", healthy)
-    ok, text = consolidation(s, p, n, model)
-    fits, note = profile_check(s, p, n)
-    text = f"{text}; {note}" if note else text
+    m, ok, fits, text = fewest_replicas(s, p, n, model)
     if not ok:
         return out("Hold", n, "ConsolidationUnsafe", text, healthy)
     if not fits:
         return out("Hold", n, "OverCapacityProfile", text, healthy)
-    return out("ScaleDown", n - 1, "Consolidate", text, replace(healthy, healthy_since=None))
+    return out("ScaleDown", m, "Consolidate", text, replace(healthy, healthy_since=None))

@@ -160,6 +160,7 @@ class WindowStats:
     kv_cpu: float | None
     swap_gbps: float  # both directions, bytes/s / 1e9 over the window
     classes: Mapping[str, ClassStats] = field(default_factory=dict)  # classes with data in the window
+    pods_with_room: int = 0  # ready pods with nothing queued and nothing rotated out, now
 
 
 def slo_shares(slo: Mapping[tuple[str, str], float]) -> tuple[float, float | None, float | None]:
@@ -311,7 +312,7 @@ class Window:
         kv_cpu: list[float] = []
         targets: dict[tuple[str, str], float] = {}
         stalled: dict[str, float] = {}
-        pods = 0
+        pods = with_room = 0
         for queue in self.series.values():
             if not queue or now - queue[-1].time > fresh_seconds:
                 continue
@@ -331,6 +332,7 @@ class Window:
                 swap += d["w"] / max(last.time - base.time, 1e-9)
                 span = max(span, last.time - base.time)
             running, waiting, rotary = running + last.running, waiting + last.waiting, rotary + last.rotary
+            with_room += last.waiting == 0 and last.rotary == 0
             if "gpu" in last.kv_usage:
                 kv_gpu.append(last.kv_usage["gpu"])
             if "cpu" in last.kv_usage:
@@ -356,4 +358,5 @@ class Window:
             kv_cpu=sum(kv_cpu) / len(kv_cpu) if kv_cpu else None,
             swap_gbps=swap / 1e9,
             classes=class_stats(slo, class_p90s(ttft, tbt), targets, stalled),
+            pods_with_room=with_room,
         )

@@ -11,7 +11,14 @@ import pytest
 
 from superinfer.engine.contract import metric
 from superinfer.operator.api.inference_service import InferenceServiceSpec, SLOClassSpec, SLOStatus
-from superinfer.operator.autoscaling.decision import Memory, Observation, Params, decide, scale_up_target
+from superinfer.operator.autoscaling.decision import (
+    Memory,
+    Observation,
+    Params,
+    consolidation,
+    decide,
+    scale_up_target,
+)
 from superinfer.operator.autoscaling.latency_model import DEFAULT_PRIOR, LatencyModel, Line, fit_line, predict_ttft
 from superinfer.operator.autoscaling.pod_metrics import (
     ClassStats,
@@ -93,10 +100,32 @@ def test_high_gpu_kv_usage_alone_is_not_distress_under_rotation():
     assert d.action == "ScaleUp" and "KV tiers both full" in d.message
 
 
-def test_pending_pods_hold_and_never_stack():
-    d = decide(obs(4, pending=2, attainment=0.3), P, WARM)
+def test_pending_pods_count_as_capacity_on_the_way():
+    # 2 ready pods at attainment 0.6 want 0.9/0.6 = 1.5x: 3 replicas, and 4 are already ordered.
+    d = decide(obs(4, pending=2, attainment=0.6), P, WARM)
     assert (d.action, d.reason, d.target) == ("Hold", "PodsPending", 4)
     assert d.scaling.status == "True"
+    # At 0.3 they want 3x: 6 replicas, more than the 4 ordered, so it stacks (+100% of 4 at most).
+    d = decide(obs(4, pending=2, attainment=0.3), P, WARM)
+    assert (d.action, d.target) == ("ScaleUp", 6)
+    assert "4 (2 still starting) → 6" in d.message
+    # The cooldown still spaces scale-ups, and a healthy window never scales down while pods start.
+    assert decide(obs(4, pending=2, attainment=0.3), P, replace(WARM, last_scale_at=T0 - 10)).reason == "Cooldown"
+    healthy_long = replace(WARM, healthy_since=T0 - 1000)
+    assert decide(obs(4, pending=1, running=2), P, healthy_long).reason == "PodsPending"
+
+
+def test_a_backlog_on_some_pods_is_not_a_reason_for_more_pods():
+    # 4 ready pods: a burst left 400 requests queued on two of them; the other two have room and
+    # tokens flow within TBT. New pods would get new requests, not that backlog: hold.
+    backlog = stats(pods=4, attainment=0.4, waiting=400, running=64, pods_with_room=2)
+    d = decide(obs(4, s=backlog), P, WARM)
+    assert (d.action, d.reason) == ("Hold", "BacklogNotCapacity")
+    assert "2 of 4 ready pod(s)" in d.message
+    # One pod with room is not half: scale up.
+    assert decide(obs(4, s=replace(backlog, pods_with_room=1)), P, WARM).action == "ScaleUp"
+    # Pods too slow (p90 TBT over target) need company whatever queues.
+    assert decide(obs(4, s=replace(backlog, tbt_p90_ms=180)), P, WARM).action == "ScaleUp"
 
 
 def test_no_capacity_stops_scale_up():
@@ -494,3 +523,18 @@ def test_a_capacity_profile_checks_scale_downs_unless_the_measurements_prove_it_
     # Two replicas already meet the SLO at 0.83 req/s each, above the profile's 0.5: it is wrong, so advisory.
     d = decide(obs(2, **light), replace(P, max_rate_per_replica=0.5), healthy_long)
     assert d.action == "ScaleDown" and "capacity profile ignored" in d.message
+
+
+def test_consolidation_removes_down_to_what_the_survivors_can_take_at_most_half():
+    healthy_long = replace(WARM, healthy_since=T0 - 1000)
+    # 6 replicas at a light load after a crowd: the survivors of a halving are predicted to cope.
+    light = obs(6, running=6, tbt_mean_ms=20, tbt_p90_ms=25, ttft_p90_ms=150)
+    d = decide(light, P, healthy_long)
+    assert (d.action, d.target, d.reason) == ("ScaleDown", 3, "Consolidate")
+    assert "with 3 replica(s)" in d.message
+    # Busier (batch 40 of 64 each): it stops at the fewest replicas the check accepts, above half.
+    busy = obs(6, running=240, tbt_mean_ms=40, tbt_p90_ms=45, ttft_p90_ms=300)
+    d = decide(busy, P, healthy_long)
+    assert d.action == "ScaleDown" and 3 < d.target < 6
+    assert consolidation(busy.stats, P, 6, LatencyModel(), d.target)[0]
+    assert not consolidation(busy.stats, P, 6, LatencyModel(), d.target - 1)[0]
