@@ -29,9 +29,9 @@ from superinfer.engine.model.tiny import ensure_tiny_model
 from superinfer.engine.slo import SLO
 from superinfer.engine.worker.duplex import CopyStats
 from superinfer.sim.config import SimConfig
-from superinfer.sim.cost import fit_calibration
 from superinfer.sim.report import point_report
 from superinfer.sim.simulator import simulate
+from superinfer.sim.step_cost import fit_calibration
 from superinfer.workload.arrivals import poisson_workload, prompt_tokens
 from superinfer.workload.goodput import summarize
 from superinfer.workload.record import write_result

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from superinfer.engine.core.policies import RotaryParams
-from superinfer.sim.cost import block_bytes, load_calibration, profile_from_step_record, read_json, roofline_cost
 from superinfer.sim.hardware import HardwareProfile, get_profile
 from superinfer.sim.model_spec import ModelSpec, load_model_spec
+from superinfer.sim.step_cost import block_bytes, load_calibration, profile_from_step_record, read_json, roofline_cost
 from superinfer.workload.device_timeline import StepCost
 
 GIB = 1 << 30

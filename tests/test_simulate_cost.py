@@ -11,9 +11,9 @@ import pytest
 from superinfer.engine.core.plan import ScheduledSeq, StepPlan
 from superinfer.engine.core.request import SamplingParams
 from superinfer.sim.config import SimConfig
-from superinfer.sim.cost import CalibratedCost, RooflineCost, load_calibration, roofline_cost, spread_quantiles
 from superinfer.sim.hardware import get_profile
 from superinfer.sim.model_spec import PRESETS, from_hf_config, load_model_spec
+from superinfer.sim.step_cost import CalibratedCost, RooflineCost, load_calibration, roofline_cost, spread_quantiles
 from superinfer.workload.device_timeline import COPY_LANES
 
 LLAMA = load_model_spec("llama-3-8b")
@@ -263,7 +263,7 @@ def test_a_step_log_charges_each_step_its_own_launches():
     that ends with the earlier step's collection. Fitted from such a log, a step with a prompt
     chunk costs at least its own 30 ms and a decode step at most its 8 ms (less where it ran under
     the next step's launches), not the other way round (18 and 16 ms without the correction)."""
-    from superinfer.sim.cost import calibration_from_step_log
+    from superinfer.sim.step_cost import calibration_from_step_log
 
     steps: dict[str, list[float]] = {k: [] for k in ("t", "done", "submit_s", "tokens", "seqs", "context")}
     steps |= {"blocks_out": [], "blocks_in": [], "copy_seconds": []}

@@ -102,8 +102,8 @@ def test_the_step_log_has_every_step_and_the_guards_view(results):
 
 def test_the_step_log_file_calibrates_the_simulator(results, tmp_path):
     from superinfer.bench.slo import write_step_log
-    from superinfer.sim.cost import load_calibration
     from superinfer.sim.model_spec import load_model_spec
+    from superinfer.sim.step_cost import load_calibration
 
     path = tmp_path / "steps.json.gz"
     write_step_log(path, ROTARY_RUN["steps"], ROTARY_RUN["timings"], ROTARY_RUN["items"])
