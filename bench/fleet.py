@@ -9,6 +9,7 @@ router on the fleet sized for the mean. Sized for a 2-core machine (about 35 min
 --jobs 2 on a shared one); the record holds every run's figures and the issue's criteria judged on them.
 
     python -m bench.fleet [--azure-dir /work/data/azure] [--jobs 2] [--tag T] [--quick]
+    python -m bench.fleet --loads flash --setups slo,hpa --min-replicas 2 --no-routers   # headroom
 """
 
 from __future__ import annotations
@@ -112,10 +113,12 @@ def main() -> None:
     parser.add_argument("--noon-rate", type=float, default=40.0)
     parser.add_argument("--base-rate", type=float, default=8.0, help="the flash crowd's base rate (req/s)")
     parser.add_argument("--flash-duration", type=float, default=600.0)
+    parser.add_argument("--min-replicas", type=int, default=1, help="the autoscalers' floor (headroom for bursts)")
     parser.add_argument("--max-replicas", type=int, default=8)
     parser.add_argument("--ready-delay", type=float, default=DEFAULT_READY_DELAY_S)
     parser.add_argument("--rate-per-replica", type=float, default=None, help="skip the capacity bisection")
     parser.add_argument("--setups", default=",".join(SETUPS), help="the autoscaling set-ups to run")
+    parser.add_argument("--loads", default="", help="only these loads (azure-conv, azure-code, diurnal, flash)")
     parser.add_argument("--routers", action=argparse.BooleanOptionalAction, default=True,
                         help="also every router on the flash crowd")  # fmt: skip
     parser.add_argument("--capacities-from", type=Path, default=None, help="a fleet record: its capacities")
@@ -125,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = FleetConfig(REPLICA, ready_delay_s=args.ready_delay, default_slo=SLO_TARGETS)
-    jobs, all_loads = [], loads(args)
+    jobs, all_loads = [], [load for load in loads(args) if not args.loads or load.name in args.loads.split(",")]
     with ProcessPoolExecutor(args.jobs) as pool:
         if args.capacities_from:
             capacities = json.loads(args.capacities_from.read_text())["capacities"]
@@ -136,7 +139,7 @@ def main() -> None:
             capacities = {load.name: rate for load, rate in zip(all_loads, rates, strict=True)}
     for load in all_loads:
         rate = capacities[load.name]
-        sizing = sizing_for(load.items, rate, 1, args.max_replicas)
+        sizing = sizing_for(load.items, rate, args.min_replicas, args.max_replicas)
         print(f"{load.name}: {len(load.items)} requests ({load.what}); one replica {rate:.2f} req/s; {sizing}")
         jobs += [(Run(s.strip(), DEFAULT_ROUTER), load, config, sizing) for s in args.setups.split(",")]
         if load.name == "flash" and args.routers:
