@@ -133,6 +133,9 @@ class RunningBatch:
     def blocks_written(self) -> int:
         """GPU blocks of the running requests that have a copy in the CPU tier."""
         order = self.order
+        if len(order) < ROWS_PER_VECTOR:
+            written, nblocks = self.written, self.nblocks
+            return sum(min(written[slot], nblocks[slot]) for slot in order.tolist())
         return int(np.minimum(self.np_written[order], self.np_nblocks[order]).sum())
 
     def add_gaps(self, slots: np.ndarray, gaps: np.ndarray) -> None:
