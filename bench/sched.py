@@ -81,8 +81,10 @@ def build(policy: str, live: int, situation: str, steps: int, seed: int = 0) -> 
     if situation == "churn":
         need += 12 * live  # the longest output, 256 tokens, on top of 64
     kv = KVCacheManager(need // 2 if situation == "contention" else need + live, BLOCK, True, num_cpu_blocks=2 * need)
+    # (a context no longer than the pool: below ~40 live requests it would not hold one of 4096)
+    max_model_len = min(4096, kv.num_blocks * BLOCK)
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=live, max_num_batched_tokens=1 << 20, max_model_len=4096),
+        SchedulerConfig(max_num_seqs=live, max_num_batched_tokens=1 << 20, max_model_len=max_model_len),
         kv,
         make_policy(policy, num_gpu_blocks=kv.num_blocks),
         VirtualClock(),  # STEP_S a step, whatever this machine's speed (module docstring)

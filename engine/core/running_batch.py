@@ -60,7 +60,8 @@ _COLUMNS = {
 }
 _DTYPES = {"q": np.int64, "d": np.float64, "b": np.bool_}  # "b": 0 or 1 only
 # Below this many rows a loop over the columns beats vector operations (numpy's cost per call):
-# the scheduler's default Scheduler.rows_per_vector.
+# the scheduler's default Scheduler.rows_per_vector (its "small batches" section has the
+# measurement) and blocks_written's.
 ROWS_PER_VECTOR = 48
 
 

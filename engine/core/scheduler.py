@@ -256,8 +256,8 @@ class Scheduler:
         self.token_timing = TokenTiming()  # what the last update timed (for the metrics)
         self.new_tokens = NewTokens([], [])  # what the last update gave its requests (for the outputs)
         self._last_decode_columns: _DecodeColumns | None = None
-        # Scans and updates of fewer rows go one row at a time: numpy's cost per call (a scan
-        # makes ~40 calls) exceeds the loop's below a few dozen rows.
+        # Scans and updates of fewer rows go one row at a time: the decode hot path's in the
+        # "small batches" section at the end of this class, the policies' in policies.py.
         self.rows_per_vector = ROWS_PER_VECTOR
         self.rotary: list[Request] = []  # in arrival order (rotated out earlier first on ties)
         # The same apart, in the same order, by whether their TBT SLO is lost (Request.tbt_missed):
@@ -617,52 +617,6 @@ class Scheduler:
         b.np_pending[rows] += 1
         step.add_decode_rows(rows, tokens.tolist(), starts.tolist(), np.flatnonzero((starts + 1) % bs == 0).tolist())
 
-    def _serve_decodes_by_row(self, i: int, slots: list[int], step: _Step) -> int:
-        """_serve_decodes for the rows running[i:] in batch `slots`, one at a time (one loop over
-        the columns: below a few dozen rows, cheaper than the vector operations)."""
-        b, bs, budget, step_id = self.batch, self.kv.block_size, step.budget, step.id
-        computed, pending, num_tokens, nblocks, limit = b.computed, b.pending, b.num_tokens, b.nblocks, b.limit
-        prev_step, last_step, last_token, plain = b.prev_step, b.last_step, b.last_token, b.plain
-        free, grow, rows, tokens, starts, fills, banned = self.kv.num_free_blocks, [], [], [], [], [], []
-        for slot in slots:
-            start, waiting_for = computed[slot], pending[slot]
-            total = num_tokens[slot] + waiting_for
-            if waiting_for and total >= limit[slot]:
-                i += 1  # Request.ends_after_pending(): scheduling it again would only waste a step
-                continue
-            if total - start != 1:
-                break
-            if start >= nblocks[slot] * bs:
-                if not free:
-                    break
-                free -= 1
-                grow.append(slot)
-                nblocks[slot] += 1  # (allocated below, all at once)
-            token = PLACEHOLDER if waiting_for else last_token[slot]
-            if plain[slot]:
-                computed[slot] = start + 1
-                prev_step[slot], last_step[slot] = last_step[slot], step_id
-                pending[slot] = waiting_for + 1
-                if (start + 1) % bs == 0:
-                    fills.append(len(rows))
-                rows.append(slot)
-                tokens.append(token)
-                starts.append(start)
-            else:
-                banned.append((slot, start, token))
-            i += 1
-            budget -= 1
-            if budget <= 0:
-                break
-        if grow:
-            self.kv.add_block_each(b.requests[grow].tolist())
-        step.budget = budget
-        if rows:
-            step.add_decode_rows(rows, tokens, starts, fills)
-        if banned:
-            self._banned_rows(*map(list, zip(*banned, strict=True)), step)
-        return i
-
     def _banned_rows(self, rows: list[int], starts: list[int], tokens: list[int], step: _Step) -> None:
         """The decodes under min_tokens among a scan's rows: a ScheduledSeq each, with the
         tokens it may not sample yet (as _take does)."""
@@ -911,56 +865,6 @@ class Scheduler:
             return [reqs[k] for k in kept], NewTokens([tokens[k] for k in kept], [num_output[k] for k in kept])
         return reqs, NewTokens(tokens, num_output)
 
-    def _apply_decodes_by_row(
-        self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float
-    ) -> tuple[list[Request], NewTokens]:
-        """_apply_decodes one row at a time, in one loop over the columns (below a few dozen
-        rows, cheaper than the vector operations)."""
-        b, bs = self.batch, self.kv.block_size
-        gen, pending, num_tokens, last_token = b.gen, b.pending, b.num_tokens, b.last_token
-        t_last, max_gap, limit, prompt_len = b.t_last, b.max_gap, b.limit, b.prompt_len
-        tail_tokens, tail_gaps = b.tail_tokens, b.tail_gaps
-        fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else ()
-        add_gap, first = self.token_timing.add_gap, self.token_timing.first
-        touched: list[Request] = []
-        new = NewTokens([], [])
-        new_tokens, new_num_output = new.tokens, new.num_output
-        slots, gens = submitted.decode_slots.tolist(), submitted.decode_gens.tolist()
-        rows_of = zip(submitted.decoded, slots, gens, tokens, strict=True)
-        for k, (req, slot, planned_gen, token) in enumerate(rows_of):
-            if gen[slot] != planned_gen:  # it left its slot since: rotated out, preempted or finished
-                if self._apply_row(req, rows.start_pos[k], token, k in fills, now):
-                    touched.append(req)
-                    new.add(token, req.num_output_tokens)
-                continue
-            pending[slot] -= 1
-            if tail_tokens[slot]:  # (what req.token_ids does first)
-                b.flush_tokens(slot)
-            req._token_ids.append(token)
-            n = num_tokens[slot] = num_tokens[slot] + 1
-            last_token[slot] = token
-            t = t_last[slot]
-            if t != t:  # NaN: its first token
-                req.t_first_token = now
-                first.append(req)
-            else:
-                gap = now - t
-                if tail_gaps[slot]:  # (what req.token_gaps does first)
-                    b.flush_gaps(slot)
-                req._token_gaps.append(gap)
-                add_gap(req.slo_class, gap)
-                if gap > max_gap[slot]:
-                    max_gap[slot] = gap  # (running: its TBT cannot be lost now, see _apply_decodes)
-            t_last[slot] = now
-            if k in fills:
-                self.kv.filled((req,), (rows.start_pos[k] // bs,))
-            new_tokens.append(token)
-            new_num_output.append(n - prompt_len[slot])
-            if (token in req.stop_token_set or n >= limit[slot]) and (reason := req.stop_reason()) is not None:
-                self._finish(req, reason)
-            touched.append(req)
-        return touched, new
-
     def _apply_row(self, req: Request, start: int, token: int, fills_block: bool, now: float) -> bool:
         """One decode row's token, applied to its request (wherever it is now); False if the
         request finished since the row was planned (the token is dropped)."""
@@ -1013,7 +917,7 @@ class Scheduler:
         free = kv.pool.num_free
         if free > WRITE_THROUGH_FREE_SHARE * kv.num_blocks and not self.rotary and not self._waiting_outgrow(free):
             return
-        found = self._unwritten_by_row(step) if len(b.order) < self.rows_per_vector else self._unwritten(step)
+        found = self._unwritten(step)
         if found is None:
             return
         slots, done, counts = found
@@ -1056,6 +960,8 @@ class Scheduler:
         all but that one; one it computes more of, where that began; the others, all they
         computed), and how many such blocks each has. None if no request has one."""
         b = self.batch
+        if len(b.order) < self.rows_per_vector:
+            return self._unwritten_by_row(step)
         done = b.np_computed - (b.np_last_step == step.id)
         if step.seq_starts:
             done[list(step.seq_starts)] = list(step.seq_starts.values())
@@ -1064,20 +970,6 @@ class Scheduler:
         unwritten = np.minimum(done // self.kv.block_size, b.np_nblocks[slots]) - b.np_written[slots]
         rows = np.flatnonzero(unwritten > 0)
         return (slots[rows], done[rows], unwritten[rows]) if len(rows) else None
-
-    def _unwritten_by_row(self, step: _Step) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """_unwritten, one row at a time (few rows: cheaper than the vector operations)."""
-        b, bs, starts = self.batch, self.kv.block_size, step.seq_starts
-        computed, last_step, nblocks, written = b.computed, b.last_step, b.nblocks, b.written
-        found: list[tuple[int, int, int]] = []
-        for slot in b.order.tolist():
-            done = starts[slot] if slot in starts else computed[slot] - (last_step[slot] == step.id)
-            n = min(done // bs, nblocks[slot]) - written[slot]
-            if n > 0:
-                found.append((slot, done, n))
-        if not found:
-            return None
-        return tuple(np.array(column, dtype=np.int64) for column in zip(*found, strict=True))
 
     def _waiting_outgrow(self, free: int) -> bool:
         """The waiting requests' tokens need more GPU blocks than `free` (cached prefixes aside)."""
@@ -1170,3 +1062,127 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._released.append(req.request_id)
+
+    # --- small batches: the decode hot path row by row --------------------------------------
+    # Below `rows_per_vector` rows (ROWS_PER_VECTOR, 48) each of the decode hot path's three
+    # passes over the running batch hands its rows to its twin here, one Python loop over the
+    # batch's columns: `_serve_decodes` to `_serve_decodes_by_row`, `_apply_decodes` to
+    # `_apply_decodes_by_row`, `_unwritten` to `_unwritten_by_row`. A vector pass makes ~40 numpy
+    # calls whatever its rows (~2-3 µs each here), more than a loop over a few dozen rows costs.
+    # Each twin must do what its vector method does: tests/test_scheduler_hot_paths.py runs every
+    # trace with the threshold at 0 (always in columns) and at ROWS_PER_VECTOR, against the
+    # reference scheduler. Measured with the twins deleted, always in columns (bench.sched
+    # --against 123e3f4, 2026-11-29, 3 paired rounds,
+    # bench/results/sched-s15-twins-vector-only-vs-123e3f4-cpu-2026-11-29.json): at 8 and 16 live
+    # requests every situation took 46-177 µs more a step (0.34-0.80x, paired), at 32 44-243 µs
+    # more but for rotary with every request fitting (even); at 47 live with all 47 decoding,
+    # just under the threshold, 27-59 µs less (1.11-1.32x): the break-even lies between 32 and 47
+    # rows.
+
+    def _serve_decodes_by_row(self, i: int, slots: list[int], step: _Step) -> int:
+        """_serve_decodes for the rows running[i:] in batch `slots`, one at a time."""
+        b, bs, budget, step_id = self.batch, self.kv.block_size, step.budget, step.id
+        computed, pending, num_tokens, nblocks, limit = b.computed, b.pending, b.num_tokens, b.nblocks, b.limit
+        prev_step, last_step, last_token, plain = b.prev_step, b.last_step, b.last_token, b.plain
+        free, grow, rows, tokens, starts, fills, banned = self.kv.num_free_blocks, [], [], [], [], [], []
+        for slot in slots:
+            start, waiting_for = computed[slot], pending[slot]
+            total = num_tokens[slot] + waiting_for
+            if waiting_for and total >= limit[slot]:
+                i += 1  # Request.ends_after_pending(): scheduling it again would only waste a step
+                continue
+            if total - start != 1:
+                break
+            if start >= nblocks[slot] * bs:
+                if not free:
+                    break
+                free -= 1
+                grow.append(slot)
+                nblocks[slot] += 1  # (allocated below, all at once)
+            token = PLACEHOLDER if waiting_for else last_token[slot]
+            if plain[slot]:
+                computed[slot] = start + 1
+                prev_step[slot], last_step[slot] = last_step[slot], step_id
+                pending[slot] = waiting_for + 1
+                if (start + 1) % bs == 0:
+                    fills.append(len(rows))
+                rows.append(slot)
+                tokens.append(token)
+                starts.append(start)
+            else:
+                banned.append((slot, start, token))
+            i += 1
+            budget -= 1
+            if budget <= 0:
+                break
+        if grow:
+            self.kv.add_block_each(b.requests[grow].tolist())
+        step.budget = budget
+        if rows:
+            step.add_decode_rows(rows, tokens, starts, fills)
+        if banned:
+            self._banned_rows(*map(list, zip(*banned, strict=True)), step)
+        return i
+
+    def _apply_decodes_by_row(
+        self, submitted: _Submitted, rows: DecodeRows, tokens: list[int], now: float
+    ) -> tuple[list[Request], NewTokens]:
+        """_apply_decodes, one row at a time."""
+        b, bs = self.batch, self.kv.block_size
+        gen, pending, num_tokens, last_token = b.gen, b.pending, b.num_tokens, b.last_token
+        t_last, max_gap, limit, prompt_len = b.t_last, b.max_gap, b.limit, b.prompt_len
+        tail_tokens, tail_gaps = b.tail_tokens, b.tail_gaps
+        fills = set(submitted.fill_rows) if self.kv.enable_prefix_caching else ()
+        add_gap, first = self.token_timing.add_gap, self.token_timing.first
+        touched: list[Request] = []
+        new = NewTokens([], [])
+        new_tokens, new_num_output = new.tokens, new.num_output
+        slots, gens = submitted.decode_slots.tolist(), submitted.decode_gens.tolist()
+        rows_of = zip(submitted.decoded, slots, gens, tokens, strict=True)
+        for k, (req, slot, planned_gen, token) in enumerate(rows_of):
+            if gen[slot] != planned_gen:  # it left its slot since: rotated out, preempted or finished
+                if self._apply_row(req, rows.start_pos[k], token, k in fills, now):
+                    touched.append(req)
+                    new.add(token, req.num_output_tokens)
+                continue
+            pending[slot] -= 1
+            if tail_tokens[slot]:  # (what req.token_ids does first)
+                b.flush_tokens(slot)
+            req._token_ids.append(token)
+            n = num_tokens[slot] = num_tokens[slot] + 1
+            last_token[slot] = token
+            t = t_last[slot]
+            if t != t:  # NaN: its first token
+                req.t_first_token = now
+                first.append(req)
+            else:
+                gap = now - t
+                if tail_gaps[slot]:  # (what req.token_gaps does first)
+                    b.flush_gaps(slot)
+                req._token_gaps.append(gap)
+                add_gap(req.slo_class, gap)
+                if gap > max_gap[slot]:
+                    max_gap[slot] = gap  # (running: its TBT cannot be lost now, see _apply_decodes)
+            t_last[slot] = now
+            if k in fills:
+                self.kv.filled((req,), (rows.start_pos[k] // bs,))
+            new_tokens.append(token)
+            new_num_output.append(n - prompt_len[slot])
+            if (token in req.stop_token_set or n >= limit[slot]) and (reason := req.stop_reason()) is not None:
+                self._finish(req, reason)
+            touched.append(req)
+        return touched, new
+
+    def _unwritten_by_row(self, step: _Step) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """_unwritten, one row at a time."""
+        b, bs, starts = self.batch, self.kv.block_size, step.seq_starts
+        computed, last_step, nblocks, written = b.computed, b.last_step, b.nblocks, b.written
+        found: list[tuple[int, int, int]] = []
+        for slot in b.order.tolist():
+            done = starts[slot] if slot in starts else computed[slot] - (last_step[slot] == step.id)
+            n = min(done // bs, nblocks[slot]) - written[slot]
+            if n > 0:
+                found.append((slot, done, n))
+        if not found:
+            return None
+        return tuple(np.array(column, dtype=np.int64) for column in zip(*found, strict=True))
