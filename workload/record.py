@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import importlib.metadata
 import json
 import os
@@ -31,7 +32,11 @@ def device_name(device: str) -> str:
     return "cpu"
 
 
+@functools.cache
 def commit() -> str:
+    """The checkout's commit (`-dirty` with uncommitted changes) when this process first asked,
+    which is when this module was imported: a long run records the code it started with, not a
+    commit made while it ran."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(
@@ -40,6 +45,9 @@ def commit() -> str:
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+commit()
 
 
 def versions() -> dict[str, str]:
