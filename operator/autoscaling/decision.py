@@ -11,11 +11,11 @@ Order of the rules (first match wins):
    proportional scale-up, sized from the ready pods that measured it and capped at
    +maxStepPercent (≤ 2×) of spec.replicas and maxReplicas, after the cooldown. Pods still
    starting count as capacity on the way: with pods pending, scale further only when the ready
-   pods' distress asks for more than spec.replicas already holds. When requests wait on some pods
-   while at least half the ready pods have nothing queued and nothing rotated out, and streams
-   flow (every class within its TBT target and stall limit), the distress is a backlog on those
-   pods (placed before the others had room, or a window still counting a burst that has passed),
-   which new replicas would not reach: hold;
+   pods' distress asks for more than spec.replicas already holds. When at least half the ready
+   pods have nothing queued and nothing rotated out, and streams flow (every class within its TBT
+   target and stall limit), the distress belongs to requests placed earlier: a backlog on the
+   other pods (placed before these had room) or a window still counting a burst that has passed
+   (nothing waits anywhere). New replicas would get only new requests, which start at once: hold;
 5. pods pending (no distress) → hold; too few finished requests → hold (SLOMet=Unknown);
 6. healthy for stabilizationSeconds → remove replicas, down to the fewest (at most half of them in
    one step) whose survivors, taking the whole load, are predicted to keep every class under
@@ -372,7 +372,7 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
         unhealthy = replace(mem, healthy_since=None)
         if n >= p.max_replicas:
             return out("Hold", n, "AtMaxReplicas", f"{why}; already at maxReplicas {p.max_replicas}", unhealthy)
-        if s.waiting + s.rotary > 0 and 2 * s.pods_with_room >= serving and streams_flow(s, p):
+        if 2 * s.pods_with_room >= serving and streams_flow(s, p):
             msg = f"{why}; but {s.pods_with_room} of {serving} ready pod(s) have nothing queued or rotated out"
             return out("Hold", n, "BacklogNotCapacity", msg, unhealthy)
         wants = profile_replicas(s, p)

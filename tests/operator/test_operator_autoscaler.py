@@ -126,6 +126,9 @@ def test_a_backlog_on_some_pods_is_not_a_reason_for_more_pods():
     assert decide(obs(4, s=replace(backlog, pods_with_room=1)), P, WARM).action == "ScaleUp"
     # Pods too slow (p90 TBT over target) need company whatever queues.
     assert decide(obs(4, s=replace(backlog, tbt_p90_ms=180)), P, WARM).action == "ScaleUp"
+    # After a burst: nothing waits anywhere, the window still counts the burst's late requests.
+    after = stats(pods=4, attainment=0.4, ttft_p90_ms=80000, running=8, pods_with_room=4)
+    assert decide(obs(4, s=after), P, WARM).reason == "BacklogNotCapacity"
 
 
 def test_no_capacity_stops_scale_up():

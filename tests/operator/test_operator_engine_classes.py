@@ -73,12 +73,16 @@ async def test_each_class_is_held_to_the_targets_its_engine_exports(engine):
     assert (lax.requests, lax.attainment, lax.ttft_target_ms) == (4, 1.0, 1e9)
     assert lax.ttft_p90_ms is not None and lax.ttft_p90_ms > params.ttft_slo_ms
     assert decide(Observation(20, 2, 2, 0, 0, lax_only), params, memory).action == "Hold"
-    pooled = decide(Observation(20, 2, 2, 0, 0, replace(lax_only, classes={})), params, memory)
-    assert pooled.action == "ScaleUp"  # what judging all requests against slo.ttftMs would do
+    # With requests queued (none queued, the TTFT misses would be of requests placed before: no
+    # reason for more pods), judging all requests against slo.ttftMs would scale up; per class, not.
+    queued = replace(lax_only, waiting=6, pods_with_room=0)
+    assert decide(Observation(20, 2, 2, 0, 0, queued), params, memory).action == "Hold"
+    pooled = decide(Observation(20, 2, 2, 0, 0, replace(queued, classes={})), params, memory)
+    assert pooled.action == "ScaleUp"
 
     assert both is not None and set(both.classes) == {"lax", "strict"}
     strict = both.classes["strict"]
     assert (strict.requests, strict.attainment, strict.ttft_target_ms) == (4, 0.0, pytest.approx(1e-5))
-    d = decide(Observation(20, 2, 2, 0, 0, both), params, memory)
+    d = decide(Observation(20, 2, 2, 0, 0, replace(both, waiting=6, pods_with_room=0)), params, memory)
     assert (d.action, d.reason, d.target) == ("ScaleUp", "SLODistress", 4)
     assert "(class strict)" in d.message and "class lax" not in d.message, d.message
