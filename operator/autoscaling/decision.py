@@ -233,11 +233,10 @@ class Prediction:
         return max(self.tbt_ms / self.tbt_limit_ms, self.ttft_ms / self.ttft_limit_ms)
 
 
-def predict_classes(s: WindowStats, p: Params, n: int, model: LatencyModel, m: int | None = None) -> list[Prediction]:
-    """Each judged class's p90s once m (default n-1) of n replicas take n/m of the load each. The
-    replica's TBT growth (fitted line, on the mean of all tokens) scales every class's p90 alike;
-    TTFT grows with queueing."""
-    m = n - 1 if m is None else m
+def predict_classes(s: WindowStats, p: Params, n: int, model: LatencyModel, m: int) -> list[Prediction]:
+    """Each judged class's p90s once m of n replicas take n/m of the load each. The replica's TBT
+    growth (fitted line, on the mean of all tokens) scales every class's p90 alike; TTFT grows
+    with queueing."""
     grow = n / m
     batch_now = s.running / n
     batch_after = batch_now * grow
@@ -255,10 +254,8 @@ def predict_classes(s: WindowStats, p: Params, n: int, model: LatencyModel, m: i
     return out
 
 
-def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel, m: int | None = None) -> tuple[bool, str]:
-    """Would m (default n-1) of n replicas, taking n/m of the load each, keep every class under
-    sensitivity × its SLO?"""
-    m = n - 1 if m is None else m
+def consolidation(s: WindowStats, p: Params, n: int, model: LatencyModel, m: int) -> tuple[bool, str]:
+    """Would m of n replicas, taking n/m of the load each, keep every class under sensitivity × its SLO?"""
     predictions = predict_classes(s, p, n, model, m)
     queued_after = s.waiting / m
     ok = all(c.ok for c in predictions) and queued_after <= WAITING_PER_REPLICA
