@@ -178,12 +178,17 @@ def streams_flow(s: WindowStats, p: Params) -> bool:
     )
 
 
+def replicas_wanted(serving: int, ratio: float, profile_wants: int = 0) -> int:
+    """The replicas that take the distress of `serving` pods off (proportional), or what the
+    capacity profile wants, if more."""
+    return max(math.ceil(serving * ratio - 1e-9), profile_wants)
+
+
 def scale_up_target(current: int, ratio: float, p: Params, profile_wants: int = 0, serving: int | None = None) -> int:
-    """Proportional to the `serving` pods that measured the distress (all `current` by default), or
-    what the capacity profile wants if more; at least +1, at most +maxStepPercent (≤ 2×) of
-    `current` and maxReplicas."""
-    serving = current if serving is None else serving
-    wanted = max(math.ceil(serving * ratio - 1e-9), profile_wants)
+    """What `replicas_wanted` says for the `serving` pods that measured the distress (all
+    `current` by default): at least +1, at most +maxStepPercent (≤ 2×) of `current` and
+    maxReplicas."""
+    wanted = replicas_wanted(current if serving is None else serving, ratio, profile_wants)
     cap = current + max(1, math.floor(current * p.max_step_percent / 100))
     return _clamp(max(current + 1, min(wanted, cap)), p)
 
@@ -373,12 +378,12 @@ def decide(obs: Observation, p: Params, mem: Memory, model: LatencyModel | None 
             msg = f"{why}; but {s.pods_with_room} of {serving} ready pod(s) have nothing queued or rotated out"
             return out("Hold", n, "BacklogNotCapacity", msg, unhealthy)
         wants = profile_replicas(s, p)
-        target = scale_up_target(n, ratio, p, wants, serving)
-        if obs.pending and math.ceil(serving * ratio - 1e-9) <= n and wants <= n:
+        if obs.pending and replicas_wanted(serving, ratio, wants) <= n:
             msg = f"{why}; {obs.pending} pod(s) still starting cover it ({n} replicas)"
             return out("Hold", n, "PodsPending", msg, unhealthy)
         if mem.last_scale_at is not None and obs.now - mem.last_scale_at < p.cooldown_seconds:
             return out("Hold", n, "Cooldown", f"{why}; in scale-up cooldown", unhealthy)
+        target = scale_up_target(n, ratio, p, wants, serving)
         sized = f" (capacity profile: {request_rate(s):.2f} req/s needs {wants})" if wants > n else ""
         pending = f" ({obs.pending} still starting)" if obs.pending else ""
         return out("ScaleUp", target, "SLODistress", f"{why}: {n}{pending} → {target} replicas{sized}", unhealthy)
